@@ -1,0 +1,156 @@
+"""The model contract, and the ``PipelineModule`` mixin that derives the Lightning steps from it.
+
+A model trains with the hetero strategy when its LightningModule provides
+
+- ``pipeline_layers() -> Sequence[nn.Module]``: the model as an ordered list of blocks, each the
+  input of the next, every trainable parameter owned by exactly one block; and
+- ``pipeline_loss(output, target) -> Tensor``: the loss, a mean over the samples of the batch.
+
+The pipeline stages run slices of ``pipeline_layers()`` and ``pipeline_loss``; the CPU worker runs
+the module's own ``training_step``. ``PipelineModule`` derives ``forward`` and the step methods
+from the two, so both paths compute the same thing by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "check_model_contract"]
+
+
+def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:
+    """Feed ``inputs`` through ``layers`` in order; a tuple output is unpacked into the next layer."""
+    for layer in layers:
+        inputs = layer(*inputs) if isinstance(inputs, tuple) else layer(inputs)
+    return inputs
+
+
+def split_inputs_targets(batch: Any) -> tuple[Any, Any]:
+    """A batch is ``(inputs, targets)``; say so clearly when it is not."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    kind = f"a {type(batch).__name__} of length {len(batch)}" if isinstance(batch, (tuple, list)) else repr(type(batch))
+    raise TypeError(
+        f"The hetero strategy expects every batch to be a pair `(inputs, targets)`, but got {kind}."
+        " Make your dataset or collate_fn return `(inputs, targets)`."
+    )
+
+
+class PipelineModule:
+    """Mixin for a ``LightningModule`` that is an ordered list of blocks.
+
+    Implement ``pipeline_layers()`` and ``pipeline_loss(output, target)``; ``forward``,
+    ``training_step``, ``validation_step``, ``test_step`` and ``predict_step`` follow from them and
+    log ``train_loss`` / ``val_loss`` / ``test_loss``. List it before ``LightningModule``::
+
+        class Net(PipelineModule, L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2)])
+
+            def pipeline_layers(self):
+                return list(self.layers)
+
+            def pipeline_loss(self, output, target):
+                return nn.functional.cross_entropy(output, target)
+    """
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        raise NotImplementedError(f"{type(self).__name__} must implement `pipeline_layers()`.")
+
+    def pipeline_loss(self, output: Any, target: Any) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement `pipeline_loss(output, target)`.")
+
+    def forward(self, inputs: Any) -> Any:
+        return run_layers(self.pipeline_layers(), inputs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._pipeline_step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._pipeline_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._pipeline_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(inputs)
+
+    def _pipeline_step(self, batch: Any, stage: str) -> Tensor:
+        inputs, targets = split_inputs_targets(batch)
+        loss = self.pipeline_loss(self(inputs), targets)
+        self.log(f"{stage}_loss", loss, prog_bar=True)  # type: ignore[attr-defined]
+        return loss
+
+
+def check_model_contract(model: nn.Module) -> list[nn.Module]:
+    """Return ``model.pipeline_layers()`` after checking the contract; raise a clear error otherwise."""
+    name = type(model).__name__
+    hint = (
+        "Define `pipeline_layers()` (the model as an ordered list of blocks) and `pipeline_loss(output, target)`"
+        " on your LightningModule, or inherit from `lightning_hetero.PipelineModule`."
+    )
+    for method in ("pipeline_layers", "pipeline_loss"):
+        if not callable(getattr(model, method, None)) or getattr(type(model), method, None) is getattr(
+            PipelineModule, method
+        ):
+            raise TypeError(f"`{name}` does not follow the hetero model contract: it has no `{method}()`. {hint}")
+    if getattr(model, "automatic_optimization", True) is False:
+        raise ValueError(
+            f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
+            " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
+        )
+    layers = model.pipeline_layers()
+    if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)):
+        raise TypeError(f"`{name}.pipeline_layers()` must return a list of modules, got {type(layers).__name__}.")
+    layers = list(layers)
+    if not layers:
+        raise ValueError(f"`{name}.pipeline_layers()` returned no layers.")
+    submodules = {id(m) for m in model.modules()}
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"`{name}.pipeline_layers()[{i}]` is a {type(layer).__name__}, not an nn.Module.")
+        if id(layer) not in submodules:
+            raise ValueError(
+                f"`{name}.pipeline_layers()[{i}]` ({type(layer).__name__}) is not a submodule of the model;"
+                " assign the layers to attributes (e.g. an nn.ModuleList) so the model owns their parameters."
+            )
+        if id(layer) in seen:
+            raise ValueError(f"`{name}.pipeline_layers()` lists the same module twice (index {i}).")
+        seen.add(id(layer))
+        stats = [type(m).__name__ for m in layer.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        if stats:
+            raise ValueError(
+                f"`{name}.pipeline_layers()[{i}]` contains {stats[0]} with running statistics, which the hetero"
+                " strategy does not synchronize between workers yet. Use LayerNorm/GroupNorm, or"
+                " `track_running_stats=False`."
+            )
+    _check_parameter_ownership(model, layers)
+    return layers
+
+
+def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> None:
+    name = type(model).__name__
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if id(p) in owner and owner[id(p)] != i:
+                raise ValueError(
+                    f"`{name}.pipeline_layers()[{owner[id(p)]}]` and `[{i}]` share a parameter (weight tying)."
+                    " Layers may land on different stages, so each parameter must belong to exactly one layer."
+                )
+            owner[id(p)] = i
+    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if orphans:
+        shown = ", ".join(orphans[:5]) + (" ..." if len(orphans) > 5 else "")
+        raise ValueError(
+            f"`{name}` has trainable parameters outside `pipeline_layers()`: {shown}. Every trainable parameter"
+            " must belong to one of the layers, or the pipeline stages would never train it."
+        )
+

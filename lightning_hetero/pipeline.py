@@ -1,0 +1,205 @@
+"""Pipeline stages and schedules, on top of ``torch.distributed.pipelining``.
+
+The layers are cut into contiguous slices, one per stage rank. Each stage rank wraps its slice in
+a ``PipelineStage`` and runs a single-stage-per-rank schedule (GPipe, 1F1B, ...) over the
+micro-batches of the pipeline's share of the batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    get_schedule_class,
+)
+
+from lightning_hetero.module import run_layers
+
+__all__ = ["partition_layers", "resolve_schedule", "StageModule", "Pipeline"]
+
+ScheduleArg = Union[str, type]
+
+
+def partition_layers(layers: Sequence[nn.Module], num_stages: int) -> list[tuple[int, int]]:
+    """Cut ``layers`` into ``num_stages`` contiguous ``[start, stop)`` slices, none empty.
+
+    Minimizes the largest slice's parameter count (a stand-in for its cost until a profile is
+    available); each layer also counts one unit so parameter-free layers spread out too.
+    """
+    if num_stages > len(layers):
+        raise ValueError(
+            f"Cannot cut {len(layers)} layer(s) into {num_stages} pipeline stages: each stage needs at least one"
+            " layer. Use fewer stages, or return finer-grained blocks from `pipeline_layers()`."
+        )
+    costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in layers]
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    n = len(layers)
+    # best[k][i]: the smallest possible largest-slice cost of cutting the first i layers into k slices.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds = []
+    stop = n
+    for k in range(num_stages, 0, -1):
+        start = cut[k][stop]
+        bounds.append((start, stop))
+        stop = start
+    return bounds[::-1]
+
+
+def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int) -> type[PipelineScheduleSingle]:
+    """The schedule class for a name ``get_schedule_class`` knows, limited to one stage per rank."""
+    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
+    single = isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle) and cls is not PipelineScheduleSingle
+    if not single:
+        raise ValueError(
+            f"Schedule {schedule!r} runs several stages per rank (or is not a schedule); the hetero strategy runs"
+            " one stage per rank. Use a single-stage schedule such as 'GPipe' or '1F1B'."
+        )
+    if micro_batches < min_micro_batches(cls, num_stages):
+        raise ValueError(
+            f"Schedule {cls.__name__} needs at least as many micro-batches as stages: `micro_batches={micro_batches}`"
+            f" with {num_stages} stages. Raise `micro_batches` or use 'GPipe'."
+        )
+    return cls
+
+
+def min_micro_batches(schedule: type[PipelineScheduleSingle], num_stages: int) -> int:
+    """The fewest micro-batches ``schedule`` runs with (1F1B keeps every stage busy, so one per stage)."""
+    return num_stages if issubclass(schedule, Schedule1F1B) else 1
+
+
+class StageModule(nn.Module):
+    """One stage's slice of the layers, run in order exactly as ``PipelineModule.forward`` runs them."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: Any) -> Any:
+        return run_layers(self.layers, args if len(args) > 1 else args[0])
+
+
+class _ScaledLoss:
+    """The stage's loss function: the user's mean loss times this step's weight for the pipeline's share."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+
+    def __call__(self, output: Any, target: Any) -> Tensor:
+        return self.loss_fn(output, target) * self.scale
+
+
+class Pipeline:
+    """This rank's pipeline stage, with one schedule per batch layout.
+
+    ``PipelineStage`` fixes its buffer shapes on the first step it runs, so a new stage and
+    schedule are built whenever the micro-batch shape or count changes (e.g. the last, smaller
+    batch of an epoch, or a new CPU fraction). Every stage rank derives the same key from the
+    batch, so all ranks build and evict in step.
+    """
+
+    _MAX_LAYOUTS = 4
+
+    def __init__(
+        self,
+        *,
+        module: StageModule,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        schedule: type[PipelineScheduleSingle],
+        loss_fn: Callable[[Any, Any], Tensor],
+    ) -> None:
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = device
+        self.group = group
+        self.schedule_cls = schedule
+        self._loss = _ScaledLoss(loss_fn)
+        self._schedules: OrderedDict[tuple, PipelineScheduleSingle] = OrderedDict()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def train_step(self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float) -> Any:
+        """Forward and backward over the share; return the merged outputs on the last stage.
+
+        The loss of each micro-batch is multiplied by ``loss_scale`` before its backward; pass the
+        share's weight in the global batch divided by ``micro_batches``, so the gradients left in
+        the stage's parameters are exactly this share's contribution to the batch-mean gradient.
+        """
+        schedule = self._schedule(True, micro_batches, inputs)
+        self._loss.scale = loss_scale
+        args = self._first_stage_args(inputs)
+        kwargs = {"target": _to_device(targets, self.device), "losses": []} if self.is_last else {}
+        return schedule.step(*args, **kwargs)
+
+    def eval_step(self, inputs: Any, micro_batches: int) -> Any:
+        """Forward only over the share; return the merged outputs on the last stage."""
+        schedule = self._schedule(False, micro_batches, inputs)
+        return schedule.step(*self._first_stage_args(inputs))
+
+    def _first_stage_args(self, inputs: Any) -> tuple:
+        if not self.is_first:
+            return ()
+        inputs = _to_device(inputs, self.device)
+        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+    def _schedule(self, train: bool, micro_batches: int, inputs: Any) -> PipelineScheduleSingle:
+        key = (train, micro_batches, _layout(inputs))
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+            loss = self._loss if train else None
+            cls = self.schedule_cls
+            if micro_batches < min_micro_batches(cls, self.num_stages):
+                # A batch that only splits into fewer micro-batches (see `shares.py`) runs GPipe,
+                # which computes the same gradients in a different order.
+                cls = ScheduleGPipe
+            # `loss_scale` already carries the 1/micro_batches factor; torch's own scaling
+            # (scale_grads) would also divide the gradients accumulated over earlier steps.
+            schedule = cls(stage, micro_batches, loss_fn=loss, scale_grads=False)
+            self._schedules[key] = schedule
+            if len(self._schedules) > self._MAX_LAYOUTS:
+                self._schedules.popitem(last=False)
+        else:
+            self._schedules.move_to_end(key)
+        return schedule
+
+
+def _layout(inputs: Any) -> tuple:
+    tensors = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    if isinstance(data, (tuple, list)):
+        return type(data)(_to_device(d, device) for d in data)
+    return data.to(device, non_blocking=True) if isinstance(data, Tensor) else data

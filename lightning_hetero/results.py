@@ -1,0 +1,179 @@
+"""One step's results, combined across the workers that computed them.
+
+A step's batch is computed in pieces: each CPU worker runs the module's step method on its
+share, and the last pipeline stage replays the step method on the pipeline's outputs. What the
+step method returns (its loss) and what it passes to ``self.log`` are captured on each of those
+ranks, gathered on every rank, combined as if one process had seen the whole batch, and logged
+through Lightning on *every* rank. So ``trainer.callback_metrics`` is the same everywhere, and
+``ModelCheckpoint``, ``EarlyStopping`` and the loggers see whole-batch values.
+
+Values are combined the way Lightning reduces a logged value over steps: ``mean`` (the default)
+is a mean weighted by each worker's sample count (or the ``batch_size`` it passed), ``sum`` adds,
+``max``/``min`` take the extreme. A ``torchmetrics.Metric`` logged as an object keeps its state on
+each worker; its epoch value is computed by torchmetrics' own cross-process sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics import Metric
+
+__all__ = ["LoggedValue", "WorkerReport", "LogCapture", "exchange", "combine_loss", "combine_logs", "relog"]
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_REDUCE_NAMES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+@dataclass
+class LoggedValue:
+    """One ``self.log`` call, as plain data that can travel between processes."""
+
+    name: str
+    value: float | None
+    weight: float
+    dtype: torch.dtype | None
+    options: dict[str, Any]
+    metric: str | None = None
+    """Module path of a ``torchmetrics.Metric`` logged as an object."""
+
+
+@dataclass
+class WorkerReport:
+    """What one rank computed in one step: its sample count, its loss, and its logged values."""
+
+    samples: int = 0
+    loss: float | None = None
+    loss_dtype: torch.dtype | None = None
+    logs: list[LoggedValue] = field(default_factory=list)
+
+
+class LogCapture:
+    """While active, ``module.log`` (and so ``log_dict``) records its calls instead of logging them."""
+
+    def __init__(self, module: LightningModule, samples: int) -> None:
+        self.module = module
+        self.samples = samples
+        self.logs: list[LoggedValue] = []
+
+    def __enter__(self) -> LogCapture:
+        self.module.log = self._capture  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.module.log
+
+    def _capture(self, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
+        options = dict(bound.arguments)
+        for key in ("self", "name", "value", "batch_size", "metric_attribute"):
+            options.pop(key, None)
+        name, value = bound.arguments["name"], bound.arguments["value"]
+        batch_size = bound.arguments.get("batch_size")
+        weight = float(batch_size) if batch_size is not None else float(self.samples)
+        metric = None
+        if isinstance(value, Metric):
+            metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
+            value = value._forward_cache
+        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric))
+
+    def _metric_path(self, metric: Metric, name: str) -> str:
+        for path, module in self.module.named_modules():
+            if module is metric:
+                return path
+        raise ValueError(
+            f"`self.log({name!r}, metric)`: the metric is not an attribute of the LightningModule. Assign it to"
+            " the module (e.g. `self.train_acc = Accuracy(...)`) so every worker holds its own copy."
+        )
+
+
+def _to_float(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"`self.log({name!r}, ...)` must log a scalar, got a tensor of shape {tuple(value.shape)}.")
+        return float(value.detach().double().item())
+    if isinstance(value, numbers.Number):
+        return float(value)  # type: ignore[arg-type]
+    raise TypeError(f"`self.log({name!r}, ...)` got a {type(value).__name__}; log a number, tensor or Metric.")
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    return value.dtype if isinstance(value, Tensor) else None
+
+
+def exchange(report: WorkerReport, group: dist.ProcessGroup | None = None) -> list[WorkerReport]:
+    """Every rank's report, on every rank (one all-gather over ``group``, all ranks by default)."""
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)
+    return reports
+
+
+def combine_loss(reports: list[WorkerReport]) -> tuple[float, torch.dtype | None] | None:
+    """The whole batch's loss: the workers' mean losses weighted by their sample counts."""
+    parts = [(r.samples, r.loss, r.loss_dtype) for r in reports if r.samples and r.loss is not None]
+    if not parts:
+        return None
+    total = sum(n for n, _, _ in parts)
+    return sum(n * loss for n, loss, _ in parts) / total, parts[0][2]
+
+
+def combine_logs(reports: list[WorkerReport]) -> list[LoggedValue]:
+    """One value per logged name, in the order names first appear (ranks in order)."""
+    by_name: dict[str, list[LoggedValue]] = {}
+    for report in reports:
+        for item in report.logs:
+            by_name.setdefault(item.name, []).append(item)
+    return [_combine(name, items) for name, items in by_name.items()]
+
+
+def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
+    first = items[0]
+    for other in items[1:]:
+        if other.options != first.options or other.metric != first.metric:
+            raise ValueError(
+                f"`self.log({name!r}, ...)` was called with different arguments by different workers (the CPU"
+                " worker and the pipeline's last stage run the same step method); log it the same way everywhere."
+            )
+    weight = sum(i.weight for i in items)
+    valued = [i for i in items if i.value is not None]
+    value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None
+    return LoggedValue(name, value, weight, first.dtype, first.options, first.metric)
+
+
+def _reduce(reduce_fx: Any, items: list[LoggedValue]) -> float:
+    how = _REDUCE_NAMES.get(reduce_fx, reduce_fx)
+    values = [i.value for i in items]
+    if how == "mean":
+        total = sum(i.weight for i in items)
+        return sum(i.weight * i.value for i in items) / total if total else sum(values) / len(values)
+    if how == "sum":
+        return sum(values)
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return float(reduce_fx(torch.tensor(values, dtype=torch.float64)))
+
+
+def relog(module: LightningModule, values: list[LoggedValue], device: torch.device) -> None:
+    """Log the combined values through Lightning, on this rank."""
+    for item in values:
+        options = dict(item.options, sync_dist=False)
+        weight = int(item.weight) if float(item.weight).is_integer() else item.weight
+        if item.metric is not None:
+            metric = module.get_submodule(item.metric)
+            if item.value is not None:
+                metric._forward_cache = torch.tensor(item.value, dtype=item.dtype, device=metric.device)
+            module.log(item.name, metric, batch_size=weight, metric_attribute=item.metric, **options)
+        else:
+            value = item.value if item.dtype is None else torch.tensor(item.value, dtype=item.dtype, device=device)
+            module.log(item.name, value, batch_size=weight, **options)

@@ -1,0 +1,67 @@
+"""How one batch is divided between the CPU workers and the pipeline.
+
+The rule, applied identically on every rank from the batch size and the current CPU fraction:
+
+- the pipeline's share is ``(1 - cpu_fraction) * batch_size`` rounded to a multiple of the
+  micro-batch count, so that every micro-batch has the same size (``PipelineStage`` sizes its
+  receive buffers from the first micro-batch), and the CPU workers take the rest;
+- where the pipeline must take the whole batch (fraction 0, or no CPU worker) and the batch does
+  not divide into ``micro_batches``, that step uses the largest micro-batch count that divides it;
+- the CPU share is spread evenly over the CPU workers; CPU workers come first in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Shares", "split_batch"]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """The samples each worker computes in one step: ``[start, stop)`` ranges into the batch."""
+
+    batch_size: int
+    cpu: tuple[tuple[int, int], ...]
+    """One range per CPU worker."""
+    pipeline: tuple[int, int]
+    micro_batches: int
+    """Micro-batches the pipeline's share is cut into this step (0 when the share is empty)."""
+
+    @property
+    def pipeline_size(self) -> int:
+        return self.pipeline[1] - self.pipeline[0]
+
+    @property
+    def cpu_size(self) -> int:
+        return self.batch_size - self.pipeline_size
+
+    def cpu_worker_size(self, index: int) -> int:
+        start, stop = self.cpu[index]
+        return stop - start
+
+
+def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_batches: int) -> Shares:
+    """Divide ``batch_size`` samples between ``cpu_workers`` CPU workers and the pipeline (see module doc)."""
+    if batch_size < 1:
+        raise ValueError(f"Cannot split an empty batch (batch size {batch_size}).")
+    if cpu_workers == 0 or cpu_fraction <= 0.0:
+        pipeline = batch_size
+    elif cpu_fraction >= 1.0:
+        pipeline = 0
+    else:
+        groups = int((1.0 - cpu_fraction) * batch_size / micro_batches + 0.5)
+        pipeline = min(groups, batch_size // micro_batches) * micro_batches
+    steps = _largest_divisor_at_most(pipeline, micro_batches) if pipeline else 0
+    cpu_total = batch_size - pipeline
+    ranges = []
+    start = 0
+    for index in range(cpu_workers):
+        size = cpu_total // cpu_workers + (1 if index < cpu_total % cpu_workers else 0)
+        ranges.append((start, start + size))
+        start += size
+    return Shares(batch_size, tuple(ranges), (cpu_total, batch_size), steps)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)

@@ -1,0 +1,64 @@
+"""Model and optimizer state when stages hold only their slice of the layers.
+
+A stage rank keeps its own layers on its device and the others on the ``meta`` device (shape
+only, no memory). Where a CPU worker exists, global rank 0 is one and holds the whole model and
+optimizer state, so checkpoints need nothing from here. Without a CPU worker, rank 0 is stage 0,
+and these helpers gather the stages' slices into one ordinary state dict, keyed exactly as a
+single-process model's, which a plain ``Trainer`` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["gather_module_state", "gather_optimizer_state", "owned_optimizer_state", "move_materialized"]
+
+
+def move_materialized(module: nn.Module, device: torch.device) -> None:
+    """Move every tensor of ``module`` that is not on the meta device to ``device``."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def gather_module_state(module: nn.Module, group: dist.ProcessGroup) -> dict[str, Any]:
+    """The full ``state_dict`` on rank 0 (an empty dict elsewhere), from every rank's materialized entries."""
+    local = module.state_dict()
+    mine = {k: v.detach().cpu() for k, v in local.items() if not (torch.is_tensor(v) and v.is_meta)}
+    parts = _gather(mine, group)
+    if parts is None:
+        return {}
+    full = {}
+    for key in local:
+        full[key] = next(part[key] for part in parts if key in part)
+    return full
+
+
+def gather_optimizer_state(optimizer: Optimizer, group: dist.ProcessGroup) -> dict[str, Any]:
+    """The full optimizer ``state_dict`` on rank 0 (empty elsewhere): each rank holds state for its own parameters."""
+    local = optimizer.state_dict()
+    parts = _gather(move_data_to_device(local["state"], "cpu"), group)
+    if parts is None:
+        return {}
+    state = {}
+    for part in parts:
+        state.update(part)
+    return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+
+def owned_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without the entries of parameters that live on the meta device on this rank."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: s for i, s in state_dict["state"].items() if not params[int(i)].is_meta}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def _gather(obj: Any, group: dist.ProcessGroup) -> list[Any] | None:
+    rank = dist.get_rank(group)
+    parts: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(obj, parts, dst=dist.get_global_rank(group, 0), group=group)
+    return parts

@@ -1,0 +1,609 @@
+"""``HeteroStrategy``: the Lightning integration of a hetero run.
+
+Each step, the batch is split by the CPU fraction (``shares.py``); the CPU workers run the
+module's ``training_step`` on their share while the stages run the pipeline schedule on theirs
+(``workers.py``, ``pipeline.py``); every rank then learns the whole batch's loss and logged values
+(``results.py``), the gradients are summed (``sync.py``) and every rank steps its optimizer. The
+result is the same model a single process would train on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import DoublePrecision, Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_hetero.accelerator import HeteroAccelerator
+from lightning_hetero.launcher import HeteroLauncher
+from lightning_hetero.data import same_batches_on_every_rank
+from lightning_hetero.module import check_model_contract
+from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
+from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, relog
+from lightning_hetero.shares import Shares, split_batch
+from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized, owned_optimizer_state
+from lightning_hetero.sync import GradientSync, add_grads, global_grad_norm
+from lightning_hetero.topology import (
+    ProcessGroups,
+    Role,
+    StagesArg,
+    Topology,
+    build_process_groups,
+    resolve_stage_devices,
+    world_backend,
+)
+from lightning_hetero.workers import CpuWorker, StageWorker, batch_size_of
+
+__all__ = ["HeteroStrategy"]
+
+_PRECISIONS = (Precision, DoublePrecision)
+
+
+class HeteroStrategy(ParallelStrategy):
+    """Train one model on CPU workers and a pipeline of stages at the same time.
+
+    Args:
+        mode: ``"coarse"``: each worker trains its share of every batch, then gradients are summed.
+        stages: ``"auto"`` (one stage per GPU; two emulated CPU stages where there is no GPU), a
+            number of stages, or a list of devices such as ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
+        cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only).
+        cpu_threads: torch threads per CPU worker; ``None`` shares the machine's cores out.
+        micro_batches: micro-batches the pipeline's share is cut into.
+        schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
+        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``. ``"auto"``
+            starts at each process's fair share of the cores when stages are emulated on the CPU,
+            and at 0 with GPU stages.
+        start_method: how processes start where Lightning does not start them externally
+            (torchrun, SLURM): ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+        timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
+    """
+
+    strategy_name = "hetero"
+
+    def __init__(
+        self,
+        mode: Literal["coarse"] = "coarse",
+        stages: StagesArg = "auto",
+        cpu_workers: int = 1,
+        cpu_threads: Optional[int] = None,
+        micro_batches: int = 4,
+        schedule: ScheduleArg = "GPipe",
+        cpu_fraction: Union[float, Literal["auto"]] = "auto",
+        start_method: Literal["fork", "spawn", "forkserver"] = "fork",
+        timeout: Union[timedelta, float] = timedelta(minutes=5),
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if mode != "coarse":
+            raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse'.")
+        _check_int("cpu_workers", cpu_workers, minimum=0)
+        _check_int("micro_batches", micro_batches, minimum=1)
+        if cpu_threads is not None:
+            _check_int("cpu_threads", cpu_threads, minimum=1)
+        if start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"`start_method={start_method!r}` is not available here; choose one of {mp.get_all_start_methods()}."
+            )
+        self.mode = mode
+        self._stage_devices = resolve_stage_devices(stages)
+        self._cpu_workers = cpu_workers
+        self._cpu_threads = cpu_threads
+        self._micro_batches = micro_batches
+        self._schedule = resolve_schedule(schedule, len(self._stage_devices), micro_batches)
+        self._cpu_fraction = self._resolve_fraction(cpu_fraction, cpu_workers)
+        self._start_method = start_method
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._num_nodes = 1
+        self._groups: Optional[ProcessGroups] = None
+        self._control: Optional[dist.ProcessGroup] = None
+        self._worker: Optional[Union[CpuWorker, StageWorker]] = None
+        self._grad_sync: Optional[GradientSync] = None
+        self._sync_gradients = True
+        self._layers: Optional[list[nn.Module]] = None
+
+    # ------------------------------------------------------------------ layout
+
+    def _resolve_fraction(self, cpu_fraction: Union[float, str], cpu_workers: int) -> float:
+        if cpu_fraction == "auto":
+            if cpu_workers == 0 or any(d.type == "cuda" for d in self._stage_devices):
+                return 0.0
+            return cpu_workers / (cpu_workers + len(self._stage_devices))
+        if isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float)) or not 0 <= cpu_fraction <= 1:
+            raise ValueError(f"`cpu_fraction={cpu_fraction!r}` must be 'auto' or a number between 0 and 1.")
+        if cpu_workers == 0 and cpu_fraction > 0:
+            raise ValueError(
+                f"`cpu_fraction={cpu_fraction}` gives the CPU a share, but `cpu_workers=0` starts no CPU worker."
+            )
+        return float(cpu_fraction)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(cpu_workers=self._cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes)
+
+    @property
+    def role(self) -> Role:
+        return self.topology.role(self.local_rank)
+
+    @property
+    def cpu_fraction(self) -> float:
+        """The share of each batch the CPU workers compute."""
+        return self._cpu_fraction
+
+    @property
+    def micro_batches(self) -> int:
+        return self._micro_batches
+
+    def shares(self, batch_size: int) -> Shares:
+        """How a batch of ``batch_size`` samples is divided this step."""
+        return split_batch(batch_size, self._cpu_fraction, self._cpu_workers, self._micro_batches)
+
+    # ------------------------------------------------------- Lightning plumbing
+
+    @property
+    def is_distributed(self) -> bool:
+        # False keeps Lightning from injecting its shuffling DistributedSampler: every rank of a node
+        # must see the same batches (see `process_dataloader`).
+        return False
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.topology.local_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return self.topology.procs_per_node
+
+    @property
+    @override
+    def parallel_devices(self) -> Optional[list[torch.device]]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        # The devices follow from `stages` and `cpu_workers`, whatever the Trainer's `devices` flag chose.
+        self._parallel_devices = None if devices is None else self.topology.local_devices
+
+    @property
+    @override
+    def accelerator(self) -> Optional["pl.accelerators.Accelerator"]:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
+        # Lightning hands a string strategy the accelerator it picked for the machine (CPU or CUDA);
+        # a hetero run's processes sit on different devices, which only HeteroAccelerator serves.
+        if accelerator is not None and not isinstance(accelerator, HeteroAccelerator):
+            accelerator = HeteroAccelerator()
+        self._accelerator = accelerator
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None:
+            if type(plugin) not in _PRECISIONS:
+                raise ValueError(
+                    f"The hetero strategy does not support {type(plugin).__name__} yet; use"
+                    " `precision='32-true'` or `precision='64-true'`."
+                )
+            # Gradient clipping by norm needs the norm over all stages, not this rank's slice.
+            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._precision_plugin = plugin
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All ranks of a node see the same batch and take their share of it; nodes split the data.
+        return {"num_replicas": self._num_nodes, "rank": self.node_rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if not trainer._accelerator_connector.use_distributed_sampler:
+            return dataloader
+        return same_batches_on_every_rank(
+            dataloader,
+            num_nodes=self._num_nodes,
+            node_rank=self.node_rank,
+            overfit_batches=trainer.overfit_batches,
+            stage=trainer.state.stage,
+        )
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights load into the whole model before `setup` cuts it into stages.
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = HeteroLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def check_model(self, model: LightningModule) -> list[nn.Module]:
+        """Check the model contract and that the layers fill the stages; raise before any process starts."""
+        layers = check_model_contract(model)
+        partition_layers(layers, len(self._stage_devices))
+        return layers
+
+    @override
+    def connect(self, model: LightningModule) -> None:
+        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
+            self.check_model(model)  # no launcher ran the check in a main process
+        super().connect(model)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        expected = self.topology.world_size
+        if self.world_size != expected:
+            raise RuntimeError(
+                f"The hetero layout {self.topology.describe()} needs {expected} processes, but the launcher started"
+                f" {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
+                f" --nproc-per-node={self.num_processes}`)."
+            )
+        _init_dist_connection(self.cluster_environment, world_backend(self.topology), timeout=self._timeout)
+        self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
+        self._control = dist.new_group(backend="gloo", timeout=self._timeout)
+        torch.set_num_threads(self._threads())
+
+    def _threads(self) -> int:
+        """CPU threads for this process: emulated stages share the cores evenly with the CPU workers;
+        with GPU stages, each stage process keeps one core and the CPU workers share the rest."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        topo = self.topology
+        if self.role.is_stage:
+            return 1 if self.root_device.type == "cuda" else max(1, cores // topo.procs_per_node)
+        if self._cpu_threads is not None:
+            return self._cpu_threads
+        gpu_stages = sum(d.type == "cuda" for d in topo.stage_devices)
+        if gpu_stages:
+            return max(1, (cores - gpu_stages) // topo.cpu_workers)
+        return max(1, cores // topo.procs_per_node)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self._layers is None:
+            self._layers = check_model_contract(module)
+            self.model = self.precision_plugin.convert_module(module)
+            self._place_model()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._grad_sync = self._build_grad_sync()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _stage_bounds(self) -> list[tuple[int, int]]:
+        assert self._layers is not None
+        return partition_layers(self._layers, len(self._stage_devices))
+
+    def _stage_params(self, stage: int) -> list[nn.Parameter]:
+        assert self._layers is not None
+        start, stop = self._stage_bounds()[stage]
+        return [p for layer in self._layers[start:stop] for p in layer.parameters() if p.requires_grad]
+
+    def _place_model(self) -> None:
+        """Keep the whole replica on a CPU worker; on a stage, keep its layers on its device and
+        put the others on the meta device (shapes only), so nothing can use their stale values."""
+        module, role, device = self.lightning_module, self.role, self.root_device
+        assert module is not None and self._layers is not None
+        if role.is_cpu_worker:
+            module.to(device)
+            params = [p for s in range(len(self._stage_devices)) for p in self._stage_params(s)]
+            self._worker = CpuWorker(module, params, role.index)
+            return
+        start, stop = self._stage_bounds()[role.index]
+        for i, layer in enumerate(self._layers):
+            if not start <= i < stop:
+                layer.to("meta")
+        move_materialized(module, device)
+        _update_properties(module, device=device)
+        assert self._groups is not None and self._groups.stage is not None
+        pipeline = Pipeline(
+            module=StageModule(self._layers[start:stop]),
+            stage_index=role.index,
+            num_stages=len(self._stage_devices),
+            device=device,
+            group=self._groups.stage,
+            schedule=self._schedule,
+            loss_fn=module.pipeline_loss,
+        )
+        self._worker = StageWorker(module, self._stage_params(role.index), pipeline)
+
+    def _build_grad_sync(self) -> GradientSync:
+        assert self._groups is not None
+        if self.role.is_cpu_worker:
+            buckets = [(self._stage_params(s), group) for s, group in enumerate(self._groups.sync)]
+        else:
+            buckets = [(self._stage_params(self.role.index), self._groups.sync[self.role.index])]
+        return GradientSync(buckets, self._groups.replica)
+
+    @override
+    def model_to_device(self) -> None:
+        # `setup` places each part of the model on its rank's device (see `_place_model`).
+        pass
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # Batches stay on the CPU: each rank moves only its own share to its device.
+        return super().batch_to_device(batch, torch.device("cpu"), dataloader_idx)
+
+    # ------------------------------------------------------------------- steps
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx = _batch_and_index(args, kwargs)
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        assert self._worker is not None
+        shares = self.shares(batch_size_of(batch))
+        accumulate = trainer.accumulate_grad_batches
+        first_of_window = batch_idx % accumulate == 0 and not _overrides(module, "optimizer_zero_grad")
+        with self.precision_plugin.train_step_context():
+            report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, not first_of_window)
+            reports = self._finish_step(report)
+        combined = combine_loss(reports)
+        assert combined is not None
+        value, dtype = combined
+        loss = torch.tensor(value, dtype=dtype, device=self.root_device)
+        extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+        return {"loss": loss, **extras} if extras else loss
+
+    def _finish_step(self, report: WorkerReport) -> list[WorkerReport]:
+        """Share every rank's report and log the combined values here, so every rank logs the same."""
+        reports = exchange(report, self._control)
+        relog(self.lightning_module, combine_logs(reports), self.root_device)
+        return reports
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # The forward and backward ran in `training_step`; add its gradients in and sum them over the workers.
+        module = self.lightning_module
+        assert module is not None and self._worker is not None and self._grad_sync is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._worker.fresh_grads is not None:
+            add_grads(self._worker.params, self._worker.fresh_grads)
+            self._worker.fresh_grads = None
+        if self._sync_gradients:
+            self._grad_sync.all_reduce()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """While accumulating, each worker keeps summing locally; the sync runs on the last micro-step."""
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = True
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        own = [p.grad for p in params] if self.role.is_stage else None
+        topo = self.topology
+        total = global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].grad.dtype))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        assert self._worker is not None
+        with self.precision_plugin.predict_step_context():
+            _, output = self._worker.eval_step("predict_step", batch, rest, self.shares(batch_size_of(batch)))
+        parts: list[Any] = [None] * dist.get_world_size() if self.global_rank == 0 else None  # type: ignore[assignment]
+        cpu_output = None if output is None else move_data_to_device(output, "cpu")
+        dist.gather_object(cpu_output, parts, dst=0, group=self._control)
+        return _concat([p for p in parts if p is not None]) if parts is not None else None
+
+    def _eval_step(self, method: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        assert self._worker is not None
+        with context():
+            report, output = self._worker.eval_step(method, batch, rest, self.shares(batch_size_of(batch)))
+            self._finish_step(report)
+        return output
+
+    # --------------------------------------------------------------- collectives
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        return _sync_ddp(tensor.cpu(), group=group or self._control, reduce_op=reduce_op).to(tensor.device)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self._control, sync_grads=sync_grads)
+        return gathered.to(tensor.device)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(group=self._control)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=self._control)
+        return box[0]
+
+    # -------------------------------------------------------------- checkpoints
+
+    @property
+    def _rank_zero_has_everything(self) -> bool:
+        return self._cpu_workers > 0
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._rank_zero_has_everything or self._layers is None:
+            return super().lightning_module_state_dict()
+        return gather_module_state(self.lightning_module, self._control)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._rank_zero_has_everything:
+            return super().optimizer_state(optimizer)
+        return gather_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self._control)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if self._layers is None or self.role.is_cpu_worker:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        meta = {k for k, v in module.state_dict().items() if torch.is_tensor(v) and v.is_meta}
+        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k not in meta}, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.role.is_cpu_worker:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(owned_optimizer_state(optimizer, state))
+            _optimizers_to_device([optimizer], self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        # Without a CPU worker, rank 0 is stage 0: gather the whole model there, so that the
+        # launcher hands the trained weights back to the main process.
+        if self._rank_zero_has_everything or self._layers is None:
+            return
+        module = self.lightning_module
+        full = gather_module_state(module, self._control)
+        if self.global_rank == 0:
+            module.load_state_dict(full, assign=True)
+            move_materialized(module, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        module = self.lightning_module
+        if module is not None:
+            move_materialized(module, torch.device("cpu"))
+            _update_properties(module, device=torch.device("cpu"))
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None and self.cluster_environment is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        self.cluster_environment.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="CPU workers and pipelined stages train every batch together (coarse-grained)",
+            mode="coarse",
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}={value!r}` must be an integer >= {minimum}.")
+
+
+def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    values = list(args) + list(kwargs.values())
+    if len(values) < 2 or not isinstance(values[1], int):
+        raise TypeError(
+            "The hetero strategy needs `training_step(self, batch, batch_idx)`; a `dataloader_iter` step is not"
+            " supported."
+        )
+    return values[0], values[1]
+
+
+def _overrides(module: LightningModule, method: str) -> bool:
+    return getattr(type(module), method) is not getattr(LightningModule, method)
+
+
+def _concat(parts: list[Any]) -> Any:
+    """Join per-worker predictions along the batch dimension, keeping their structure."""
+    if not parts:
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([p[k] for p in parts]) for k in first})
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat(list(items)) for items in zip(*parts))
+    return parts

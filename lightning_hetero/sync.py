@@ -1,0 +1,148 @@
+"""Gradient synchronization between the CPU workers and the pipeline stages.
+
+Each worker's backward leaves its share's *weighted* contribution in ``.grad`` (the loss was
+scaled by the share's fraction of the batch), so summing the contributions gives every rank the
+gradient of the whole batch, as in one process. For each stage, the stage rank and the CPU
+workers sum the gradients of that stage's parameters in one flat buffer (gloo; CUDA gradients go
+through a pinned CPU buffer). Where there are several nodes, each rank then averages with its
+peers on the other nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["GradientSync", "set_grads_aside", "restore_grads", "add_grads", "global_grad_norm"]
+
+
+def set_grads_aside(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
+    """Take the gradients out of ``params`` (leaving ``None``) and return them."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def restore_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def add_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+    """Accumulate ``grads`` into ``params``, as a backward pass would."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+class _FlatBucket:
+    """One stage's gradients on this rank, packed into one CPU buffer followed by one flag per parameter.
+
+    The flag is 1 where this rank has a gradient; a parameter whose summed flag is 0 was used by no
+    worker and keeps ``grad=None``, so the optimizer skips it exactly as it would in one process.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params = list(params)
+        self.group = group
+        self.dtype = params[0].dtype
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes) + len(params)
+        pin = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
+        self.buffer = torch.empty(total, dtype=self.dtype, pin_memory=pin)
+
+    def pack(self) -> Tensor:
+        flags = self.buffer[sum(self.sizes) :]
+        offset = 0
+        for i, (p, n) in enumerate(zip(self.params, self.sizes)):
+            view = self.buffer[offset : offset + n]
+            if p.grad is None:
+                view.zero_()
+                flags[i] = 0
+            else:
+                view.copy_(p.grad.reshape(-1), non_blocking=True)
+                flags[i] = 1
+            offset += n
+        if self.buffer.is_pinned():
+            torch.cuda.synchronize()
+        return self.buffer
+
+    def unpack(self) -> None:
+        flags = self.buffer[sum(self.sizes) :].tolist()
+        offset = 0
+        for i, (p, n) in enumerate(zip(self.params, self.sizes)):
+            if flags[i] == 0:
+                p.grad = None
+            else:
+                summed = self.buffer[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(summed, non_blocking=True)
+            offset += n
+
+
+class GradientSync:
+    """Sums each stage's gradients over its sync group, and averages over nodes.
+
+    ``buckets`` holds, for each stage this rank takes part in, the parameters of that stage (on
+    this rank) and the stage's sync group; ranks with nothing to sum with (no CPU worker) pass none.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None]],
+        replica_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._buckets = [_FlatBucket(params, group) for params, group in buckets if group is not None and params]
+        self._params = [p for params, _ in buckets for p in params]
+        self._replica_group = replica_group
+
+    def all_reduce(self) -> None:
+        works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in self._buckets]
+        for work in works:
+            work.wait()
+        for bucket in self._buckets:
+            bucket.unpack()
+        if self._replica_group is not None:
+            self._average_over_nodes()
+
+    def _average_over_nodes(self) -> None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self._replica_group)
+        flat /= dist.get_world_size(self._replica_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def global_grad_norm(
+    stage_grads: Sequence[Tensor] | None,
+    stage_index: int,
+    num_stages: int,
+    num_nodes: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """The 2-norm of all gradients of the model, identical on every rank.
+
+    Each stage rank contributes the squared norm of its own parameters' gradients (CPU workers
+    pass ``None``: their replica's gradients equal the stages' after the sync). Summing the
+    per-stage partials in a fixed order gives every rank the same value to the last bit, so all
+    copies of a parameter stay identical after clipping.
+    """
+    partials = torch.zeros(num_stages, dtype=torch.float64)
+    if stage_grads:
+        partials[stage_index] = torch.nn.utils.get_total_norm(stage_grads, 2.0).double().cpu() ** 2
+    dist.all_reduce(partials, group=group)
+    return (partials / num_nodes).sum().sqrt()

@@ -1,0 +1,212 @@
+"""Ranks, roles, devices and process groups of a hetero run.
+
+One node is one *hetero group*: ``cpu_workers`` CPU-worker ranks followed by one rank per pipeline
+stage. CPU workers come first so that global rank 0, where Lightning logs and writes checkpoints,
+holds a full replica of the model. Several nodes are data-parallel replicas of each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+__all__ = ["Role", "Topology", "ProcessGroups", "resolve_stage_devices", "build_process_groups"]
+
+StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one process does: a CPU worker (full replica) or a pipeline stage (a slice of the layers)."""
+
+    kind: Literal["cpu", "stage"]
+    index: int
+    num_stages: int
+
+    @property
+    def is_cpu_worker(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def is_stage(self) -> bool:
+        return self.kind == "stage"
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.is_stage and self.index == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.is_stage and self.index == self.num_stages - 1
+
+    def __str__(self) -> str:
+        return f"cpu{self.index}" if self.is_cpu_worker else f"stage{self.index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """The layout of processes: CPU workers, then stages, on each of ``num_nodes`` nodes."""
+
+    cpu_workers: int
+    """CPU-worker processes per node, each with a full replica of the model."""
+    stage_devices: tuple[torch.device, ...]
+    """The device of each pipeline stage, in pipeline order."""
+    num_nodes: int = 1
+    """Nodes; each holds one hetero group, and the groups are data-parallel replicas."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_devices)
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.cpu_workers + self.num_stages
+
+    @property
+    def world_size(self) -> int:
+        return self.procs_per_node * self.num_nodes
+
+    @property
+    def local_devices(self) -> list[torch.device]:
+        """The device of each local rank on a node."""
+        return [torch.device("cpu")] * self.cpu_workers + list(self.stage_devices)
+
+    @property
+    def uses_cuda(self) -> bool:
+        return any(d.type == "cuda" for d in self.stage_devices)
+
+    def role(self, local_rank: int) -> Role:
+        if local_rank < self.cpu_workers:
+            return Role("cpu", local_rank, self.num_stages)
+        return Role("stage", local_rank - self.cpu_workers, self.num_stages)
+
+    def cpu_ranks(self, node: int) -> list[int]:
+        base = node * self.procs_per_node
+        return list(range(base, base + self.cpu_workers))
+
+    def stage_ranks(self, node: int) -> list[int]:
+        base = node * self.procs_per_node + self.cpu_workers
+        return list(range(base, base + self.num_stages))
+
+    def describe(self) -> str:
+        stages = ", ".join(str(d) for d in self.stage_devices)
+        return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
+
+
+def resolve_stage_devices(stages: StagesArg) -> tuple[torch.device, ...]:
+    """Turn the ``stages`` argument into one device per stage, or raise a clear error.
+
+    ``"auto"`` is one stage per visible GPU, or two emulated CPU stages where there is none. An int
+    is that many GPUs (or emulated CPU stages where there is no GPU). A list names each device.
+    """
+    gpus = num_cuda_devices()
+    if stages == "auto":
+        return tuple(torch.device("cuda", i) for i in range(gpus)) or (torch.device("cpu"),) * 2
+    if isinstance(stages, bool) or not isinstance(stages, (int, list, tuple)):
+        raise ValueError(
+            f"`stages={stages!r}` is not understood. Pass 'auto', a number of stages, or a list of devices"
+            " such as ['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to emulate the pipeline on CPU processes)."
+        )
+    if isinstance(stages, int):
+        if stages < 1:
+            raise ValueError(f"`stages={stages}`: a hetero run needs at least one pipeline stage.")
+        if gpus == 0:
+            return (torch.device("cpu"),) * stages
+        if stages > gpus:
+            raise ValueError(
+                f"`stages={stages}` asks for {stages} GPU stages but this machine has {gpus} GPU(s)."
+                " Use fewer stages, or list the devices explicitly (e.g. stages=['cuda:0', 'cpu'])."
+            )
+        return tuple(torch.device("cuda", i) for i in range(stages))
+    if len(stages) == 0:
+        raise ValueError("`stages=[]`: a hetero run needs at least one pipeline stage.")
+    devices = []
+    next_gpu = 0
+    for item in stages:
+        device = _parse_device(item)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", next_gpu)
+        if device.type == "cuda":
+            if gpus == 0:
+                raise ValueError(f"Stage device '{item}' is a GPU, but CUDA is not available on this machine.")
+            if device.index >= gpus:
+                raise ValueError(f"Stage device '{device}' does not exist: this machine has {gpus} GPU(s).")
+            next_gpu = device.index + 1
+        devices.append(device)
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        raise ValueError(f"`stages={list(stages)!r}` places two stages on the same GPU; give each stage its own GPU.")
+    return tuple(devices)
+
+
+def _parse_device(item: Union[str, int, torch.device]) -> torch.device:
+    if isinstance(item, torch.device):
+        device = item
+    elif isinstance(item, int) and not isinstance(item, bool):
+        device = torch.device("cuda", item)
+    elif isinstance(item, str):
+        try:
+            device = torch.device(item)
+        except RuntimeError:
+            raise ValueError(f"Stage device '{item}' is not a device name; use 'cpu', 'cuda' or 'cuda:N'.") from None
+    else:
+        raise ValueError(f"Stage device {item!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or a GPU index.")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Stage device '{device}' is not supported; stages run on 'cpu' (emulated) or 'cuda'.")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
+@dataclass
+class ProcessGroups:
+    """The process groups this rank communicates in.
+
+    ``stage`` connects this node's stages (the pipeline's sends and receives). ``sync[s]`` joins
+    stage ``s`` with the CPU workers of its node, for gradient sync; it is ``None`` where this rank
+    is not a member. ``replica`` joins this rank with the same local rank on every other node.
+    Control traffic (loss, logged values, decisions) uses the world group, on gloo.
+    """
+
+    stage: dist.ProcessGroup | None
+    sync: list[dist.ProcessGroup | None]
+    replica: dist.ProcessGroup | None
+
+
+def world_backend(topology: Topology) -> str:
+    """The default group's backend: gloo for CPU tensors, and NCCL for CUDA tensors where there are GPUs."""
+    return "cpu:gloo,cuda:nccl" if topology.uses_cuda else "gloo"
+
+
+def build_process_groups(topology: Topology, global_rank: int, timeout: timedelta) -> ProcessGroups:
+    """Create every group on every rank (``new_group`` is collective) and keep the ones this rank is in."""
+    stage_backend = "nccl" if topology.uses_cuda else "gloo"
+    node = global_rank // topology.procs_per_node
+    stage_group = None
+    sync: list[dist.ProcessGroup | None] = [None] * topology.num_stages
+    for n in range(topology.num_nodes):
+        ranks = topology.stage_ranks(n)
+        group = dist.new_group(ranks, timeout=timeout, backend=stage_backend)
+        if n == node and global_rank in ranks:
+            stage_group = group
+    for n in range(topology.num_nodes):
+        for s, stage_rank in enumerate(topology.stage_ranks(n)):
+            ranks = topology.cpu_ranks(n) + [stage_rank]
+            group = dist.new_group(ranks, timeout=timeout, backend="gloo") if len(ranks) > 1 else None
+            if n == node and global_rank in ranks:
+                sync[s] = group
+    replica = None
+    if topology.num_nodes > 1:
+        for local in range(topology.procs_per_node):
+            ranks = [n * topology.procs_per_node + local for n in range(topology.num_nodes)]
+            backend = "nccl" if topology.local_devices[local].type == "cuda" else "gloo"
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if global_rank in ranks:
+                replica = group
+    return ProcessGroups(stage=stage_group, sync=sync, replica=replica)

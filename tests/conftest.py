@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_hetero  # noqa: F401  (registers strategy="hetero")
+from lightning_hetero import HeteroStrategy
+
+# Collectives fail within this many seconds instead of hanging the suite when something is wrong.
+TIMEOUT = 60
+
+
+def hetero(**kwargs: Any) -> HeteroStrategy:
+    """A hetero strategy on emulated CPU stages, forked, with a short collective timeout."""
+    kwargs.setdefault("stages", ["cpu", "cpu"])
+    kwargs.setdefault("micro_batches", 2)
+    kwargs.setdefault("timeout", TIMEOUT)
+    return HeteroStrategy(**kwargs)
+
+
+def trainer(strategy: Any, log_dir: Path | None = None, **kwargs: Any) -> L.Trainer:
+    """A quiet Trainer in float64; ``strategy=None`` is the plain single-process reference."""
+    kwargs.setdefault("precision", "64-true")
+    kwargs.setdefault("enable_checkpointing", False)
+    kwargs.setdefault("enable_progress_bar", False)
+    kwargs.setdefault("enable_model_summary", False)
+    kwargs.setdefault("num_sanity_val_steps", 0)
+    kwargs.setdefault("log_every_n_steps", 1)
+    kwargs.setdefault("logger", CSVLogger(str(log_dir), name="", version="") if log_dir is not None else False)
+    if strategy is None:
+        return L.Trainer(accelerator="cpu", devices=1, **kwargs)
+    return L.Trainer(strategy=strategy, **kwargs)
+
+
+def max_param_diff(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> float:
+    sa = a if isinstance(a, dict) else a.state_dict()
+    sb = b if isinstance(b, dict) else b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa)
+
+
+@pytest.fixture
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any worker process is started."""
+    import torch.multiprocessing as mp
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("worker processes were started before the bad input was reported")
+
+    monkeypatch.setattr(mp, "start_processes", refuse)

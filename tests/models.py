@@ -1,0 +1,105 @@
+"""Small models and data for the tests: float64-friendly, dropout-free, and importable by spawned processes."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_hetero import PipelineModule
+
+
+class Net(PipelineModule, L.LightningModule):
+    """An MLP of six blocks (so up to six stages), regression loss, optimizer chosen by name."""
+
+    def __init__(self, optimizer: str = "adamw", scheduler: bool = True, width: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.layers = nn.ModuleList(
+            [nn.Linear(6, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3), nn.Identity()]
+        )
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Classifier(PipelineModule, L.LightningModule):
+    """A classifier that logs torchmetrics accuracy from its own steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4)])
+        self.train_acc = MulticlassAccuracy(num_classes=4, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=4, average="micro")
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = self.pipeline_loss(out, y)
+        self.train_acc(out, y)
+        self.log("train_loss", loss)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        out = self(x)
+        self.val_acc(out, y)
+        self.log("val_loss", self.pipeline_loss(out, y))
+        self.log("val_acc", self.val_acc)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def regression_data(n: int = 44, batch_size: int = 12, seed: int = 1) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def classification_data(n: int = 60, batch_size: int = 12, seed: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def read_metrics(log_dir: str | Path) -> list[dict[str, float]]:
+    """The rows of a CSVLogger's metrics.csv, empty cells dropped."""
+    (path,) = Path(log_dir).rglob("metrics.csv")
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def column(rows: list[dict[str, float]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), r[key]) for r in rows if key in r]
