@@ -10,6 +10,7 @@ result is the same model a single process would train on the same batches.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -304,6 +305,9 @@ class HeteroStrategy(ParallelStrategy):
         self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
         self._control = dist.new_group(backend="gloo", timeout=self._timeout)
         torch.set_num_threads(self._threads())
+        # Logged values are combined over the workers before Lightning sees them (`results.py`),
+        # so its advice to pass `sync_dist=True` does not apply.
+        warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
 
     def _threads(self) -> int:
         """CPU threads for this process: emulated stages share the cores evenly with the CPU workers;

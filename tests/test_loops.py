@@ -1,0 +1,104 @@
+"""Validation, test and predict, logging, metrics and callbacks behave as in a single process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+from tests.conftest import hetero, max_param_diff, trainer
+from tests.models import Classifier, Net, classification_data, column, read_metrics, regression_data
+
+TOL = 1e-10
+
+
+def test_validation_test_and_predict_match_plain(tmp_path: Path) -> None:
+    results = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(stages=["cpu"] * 3, cpu_fraction=0.4))):
+        model = Net()
+        t = trainer(strategy, tmp_path / name, max_epochs=2)
+        t.fit(model, regression_data(), regression_data(n=30, seed=5))
+        # Read the fit's log now: like every process-launching strategy, later calls start a fresh logger.
+        rows = read_metrics(tmp_path / name)
+        validated = t.validate(model, regression_data(n=30, seed=6), verbose=False)
+        tested = t.test(model, regression_data(n=26, seed=7), verbose=False)
+        predicted = t.predict(model, regression_data(n=26, seed=8))
+        results[name] = (model, rows, validated, tested, predicted)
+    (plain, plain_rows, plain_val, plain_test, plain_pred), (het, het_rows, het_val, het_test, het_pred) = results.values()
+    assert max_param_diff(plain, het) < TOL
+    plain_epochs, het_epochs = column(plain_rows, "val_loss"), column(het_rows, "val_loss")
+    assert len(plain_epochs) == 2 and [s for s, _ in plain_epochs] == [s for s, _ in het_epochs]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(plain_epochs, het_epochs)) < TOL
+    assert abs(plain_val[0]["val_loss"] - het_val[0]["val_loss"]) < TOL
+    assert abs(plain_test[0]["test_loss"] - het_test[0]["test_loss"]) < TOL
+    assert len(het_pred) == len(plain_pred) == 3
+    for a, b in zip(plain_pred, het_pred):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=TOL, rtol=0)
+
+
+def test_torchmetrics_see_every_sample_once(tmp_path: Path) -> None:
+    rows = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5))):
+        t = trainer(strategy, tmp_path / name, max_epochs=2)
+        t.fit(Classifier(), classification_data(), classification_data(n=36, seed=3))
+        rows[name] = read_metrics(tmp_path / name)
+    # A step's accuracy is a float32 metric value combined over the workers (one rounding in
+    # float32); epoch accuracies come from the summed metric states and are exact.
+    tolerance = {"train_acc_step": 1e-6}
+    for key in ("train_acc_step", "train_acc_epoch", "val_acc", "val_loss", "train_loss"):
+        plain, het = column(rows["plain"], key), column(rows["hetero"], key)
+        assert plain and [s for s, _ in plain] == [s for s, _ in het], key
+        assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < tolerance.get(key, TOL), key
+    assert [v for _, v in column(rows["hetero"], "seen")] == [12.0] * 10
+
+
+def test_early_stopping_and_checkpointing_decide_as_in_one_process(tmp_path: Path) -> None:
+    outcome = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5))):
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / name / "ckpt", monitor="val_loss", save_top_k=1)
+        stopping = EarlyStopping(monitor="val_acc", mode="max", patience=1, min_delta=0.2)
+        t = trainer(strategy, tmp_path / name, max_epochs=10, callbacks=[checkpoint, stopping], enable_checkpointing=True)
+        t.fit(Classifier(), classification_data(), classification_data(n=36, seed=3))
+        epochs = {int(r["epoch"]) for r in read_metrics(tmp_path / name)}
+        outcome[name] = (Path(t.checkpoint_callback.best_model_path).name, max(epochs), t.callback_metrics["val_loss"])
+    assert outcome["hetero"][:2] == outcome["plain"][:2]
+    assert outcome["hetero"][1] < 9  # early stopping really stopped the run
+    assert abs(outcome["hetero"][2] - outcome["plain"][2]) < TOL
+
+
+class RecordCallbackMetrics(L.Callback):
+    """Writes what every rank sees in `trainer.callback_metrics` after each batch."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.seen: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def on_fit_end(self, trainer: L.Trainer, *args: Any) -> None:
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
+def test_every_rank_sees_the_same_callback_metrics(tmp_path: Path, cpu_fraction: float) -> None:
+    t = trainer(hetero(stages=["cpu"] * 3, cpu_fraction=cpu_fraction), max_epochs=2, callbacks=[RecordCallbackMetrics(tmp_path)])
+    t.fit(Classifier(), classification_data(), classification_data(n=36, seed=3))
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert seen[0] and all(s == seen[0] for s in seen[1:])
+    assert {"train_loss", "train_acc_step", "val_acc", "val_loss"} <= set(seen[0][-1])
+
+
+def test_progress_bar_and_max_epochs(tmp_path: Path) -> None:
+    t = trainer(hetero(), tmp_path, max_epochs=2, enable_progress_bar=True)
+    t.fit(Net(), regression_data())
+    assert max(int(r["epoch"]) for r in read_metrics(tmp_path)) == 1
+    assert max(int(r["step"]) for r in read_metrics(tmp_path)) == 7

@@ -1,0 +1,58 @@
+"""Cutting the layers into stages, and choosing schedules."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from torch import nn
+from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+from lightning_hetero.pipeline import StageModule, partition_layers, resolve_schedule
+
+
+def layers(*widths: int) -> list[nn.Module]:
+    return [nn.Linear(w, 1, bias=False) if w else nn.Tanh() for w in widths]
+
+
+def brute_force_best(costs: list[int], k: int) -> int:
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), k - 1):
+        bounds = [0, *cuts, len(costs)]
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("widths", [(5, 1, 1, 1, 5), (10, 0, 3, 0, 3, 4, 0, 9), (1, 2, 3, 4, 5, 6), (7,) * 5])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_partition_is_contiguous_and_minimizes_the_largest_stage(widths: tuple, k: int) -> None:
+    mods = layers(*widths)
+    bounds = partition_layers(mods, k)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(mods) and len(bounds) == k
+    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    costs = [1 + w for w in widths]
+    assert max(sum(costs[a:b]) for a, b in bounds) == brute_force_best(costs, k)
+
+
+def test_one_layer_per_stage() -> None:
+    assert partition_layers(layers(1, 2, 3), 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_too_many_stages() -> None:
+    with pytest.raises(ValueError, match="Cannot cut 2 layer"):
+        partition_layers(layers(1, 1), 3)
+
+
+def test_schedules_by_name() -> None:
+    assert resolve_schedule("gpipe", 2, 1) is ScheduleGPipe
+    assert resolve_schedule("1F1B", 2, 2) is Schedule1F1B
+    assert resolve_schedule(ScheduleGPipe, 4, 1) is ScheduleGPipe
+
+
+def test_stage_module_runs_its_layers_in_order() -> None:
+    import torch
+
+    first, second = nn.Linear(2, 3), nn.Linear(3, 1)
+    x = torch.randn(4, 2)
+    assert torch.equal(StageModule([first, second])(x), second(first(x)))

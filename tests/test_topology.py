@@ -1,0 +1,29 @@
+"""Ranks, roles and devices."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_hetero.topology import Topology, resolve_stage_devices
+
+CPU = torch.device("cpu")
+
+
+def test_auto_without_gpus_emulates_two_stages() -> None:
+    assert resolve_stage_devices("auto") == (CPU, CPU)
+    assert resolve_stage_devices(3) == (CPU, CPU, CPU)
+    assert resolve_stage_devices(["cpu", torch.device("cpu")]) == (CPU, CPU)
+
+
+def test_cpu_workers_come_first_so_rank_zero_holds_the_whole_model() -> None:
+    topo = Topology(cpu_workers=2, stage_devices=(CPU, CPU, CPU), num_nodes=2)
+    assert topo.procs_per_node == 5 and topo.world_size == 10
+    assert [str(topo.role(r)) for r in range(5)] == ["cpu0", "cpu1", "stage0", "stage1", "stage2"]
+    assert topo.role(2).is_first_stage and topo.role(4).is_last_stage and not topo.role(3).is_last_stage
+    assert topo.cpu_ranks(1) == [5, 6] and topo.stage_ranks(1) == [7, 8, 9]
+    assert topo.local_devices == [CPU] * 5
+
+
+def test_pipeline_only_layout() -> None:
+    topo = Topology(cpu_workers=0, stage_devices=(CPU, CPU))
+    assert topo.role(0).is_first_stage and topo.cpu_ranks(0) == []
