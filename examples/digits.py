@@ -73,7 +73,8 @@ def main() -> None:
         default_root_dir="outputs",
     )
     trainer.fit(DigitsMLP(), train, val)
-    print(f"validation accuracy: {trainer.callback_metrics['val_acc']:.3f}")
+    if trainer.is_global_zero:
+        print(f"validation accuracy: {trainer.callback_metrics['val_acc']:.3f}")
 
 
 if __name__ == "__main__":

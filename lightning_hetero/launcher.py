@@ -1,14 +1,17 @@
-"""Starting the processes of a hetero run (fork, spawn or forkserver), after checking the model.
+"""Starting the processes of a hetero run, after checking the model in the main process.
 
-Lightning's multiprocessing launcher starts one process per local rank and hands rank 0's
-results and weights back to the main process. The hetero launcher wraps it to
+Two ways, both Lightning's own launchers underneath:
 
-- check the model contract in the main process, so a model that cannot run gets its error
-  before any process starts;
-- bring the weights back in the precision they were trained in (e.g. float64);
-- return ``trainer.predict``'s predictions: rank 0 assembles every worker's share, and sends
-  its results as bytes, so no tensor depends on shared memory of a process that has exited
-  (the reason Lightning refuses to return predictions from launchers of its own kind).
+- ``"popen"`` (the default for scripts, as for Lightning's DDP): the main process becomes global
+  rank 0 and runs the script again for every other rank. Nothing is pickled, and it is safe
+  after the main process has run multi-threaded torch code.
+- ``"fork"`` (the default in notebooks), ``"spawn"``, ``"forkserver"``: one child per rank; rank 0
+  hands the trained weights, metrics and results back. Fork is the fastest start, but a child
+  forked after the parent ran multi-threaded (OpenMP) torch work can hang in its first parallel
+  op; run such programs with ``"popen"`` or ``"spawn"``.
+
+Whatever the method, the model contract is checked in the main process first, so a model that
+cannot run gets its error before any process starts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from typing_extensions import override
@@ -32,7 +35,11 @@ __all__ = ["HeteroLauncher"]
 
 
 class _Processes(_MultiProcessingLauncher):
-    """Lightning's launcher, returning rank 0's results as bytes and weights in their trained precision."""
+    """Lightning's fork/spawn launcher, returning rank 0's results as bytes and weights in their trained precision.
+
+    Results travel as bytes so that no tensor depends on the shared memory of a process that has
+    exited, which is why Lightning itself refuses to return predictions from launchers of this kind.
+    """
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
@@ -55,12 +62,26 @@ class HeteroLauncher(_Launcher):
 
     def __init__(self, strategy: "HeteroStrategy", start_method: str) -> None:
         self._strategy = strategy
-        self._processes = _Processes(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self.start_method = start_method
+        self._launcher: _Launcher
+        if start_method == "popen":
+            assert strategy.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(
+                strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+            )
+        else:
+            self._launcher = _Processes(strategy, start_method=start_method)  # type: ignore[arg-type]
+
+    @property
+    def copies_main_process(self) -> bool:
+        """Whether every rank starts from a copy of the main process's model (fork, spawn) rather than
+        building its own (popen), in which case rank 0's initial weights are broadcast."""
+        return self.start_method != "popen"
 
     @property
     @override
     def is_interactive_compatible(self) -> bool:
-        return self._processes.is_interactive_compatible
+        return self._launcher.is_interactive_compatible
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
@@ -69,11 +90,11 @@ class HeteroLauncher(_Launcher):
             model = trainer.lightning_module
         if model is not None:
             self._strategy.check_model(model)
-        results = self._processes.launch(function, *args, trainer=trainer, **kwargs)
-        if trainer is None or not isinstance(results, bytes):
+        results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
+        if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":
             return results
         return torch.load(io.BytesIO(results), weights_only=False)  # written by our own rank 0 above
 
     @override
     def kill(self, signum: _SIGNUM) -> None:
-        self._processes.kill(signum)
+        self._launcher.kill(signum)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.utils import _sync_module_states
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -30,6 +31,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
@@ -83,8 +85,10 @@ class HeteroStrategy(ParallelStrategy):
         cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``. ``"auto"``
             starts at each process's fair share of the cores when stages are emulated on the CPU,
             and at 0 with GPU stages.
-        start_method: how processes start where Lightning does not start them externally
-            (torchrun, SLURM): ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+        start_method: how processes start where no external launcher (torchrun, SLURM) starts them:
+            ``"popen"`` runs the script again for every other rank, as Lightning's DDP does;
+            ``"fork"``, ``"spawn"`` and ``"forkserver"`` start children of the main process.
+            ``"auto"`` is ``"fork"`` in a notebook and ``"popen"`` otherwise (see ``launcher.py``).
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
     """
 
@@ -99,7 +103,7 @@ class HeteroStrategy(ParallelStrategy):
         micro_batches: int = 4,
         schedule: ScheduleArg = "GPipe",
         cpu_fraction: Union[float, Literal["auto"]] = "auto",
-        start_method: Literal["fork", "spawn", "forkserver"] = "fork",
+        start_method: Literal["auto", "popen", "fork", "spawn", "forkserver"] = "auto",
         timeout: Union[timedelta, float] = timedelta(minutes=5),
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -118,9 +122,12 @@ class HeteroStrategy(ParallelStrategy):
         _check_int("micro_batches", micro_batches, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)
-        if start_method not in mp.get_all_start_methods():
+        if start_method == "auto":
+            start_method = "fork" if _IS_INTERACTIVE else "popen"
+        if start_method not in ["popen", *mp.get_all_start_methods()]:
             raise ValueError(
-                f"`start_method={start_method!r}` is not available here; choose one of {mp.get_all_start_methods()}."
+                f"`start_method={start_method!r}` is not available here; choose one of"
+                f" {['auto', 'popen', *mp.get_all_start_methods()]}."
             )
         self.mode = mode
         self._stage_devices = resolve_stage_devices(stages)
@@ -330,6 +337,9 @@ class HeteroStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._layers is None:
             self._layers = check_model_contract(module)
+            if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
+                # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
+                _sync_module_states(module, self._control, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
             self.model = self.precision_plugin.convert_module(module)
             self._place_model()
         if trainer.state.fn == TrainerFn.FITTING:

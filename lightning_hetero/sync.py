@@ -60,17 +60,16 @@ class _FlatBucket:
         self.buffer = torch.empty(total, dtype=self.dtype, pin_memory=pin)
 
     def pack(self) -> Tensor:
-        flags = self.buffer[sum(self.sizes) :]
         offset = 0
-        for i, (p, n) in enumerate(zip(self.params, self.sizes)):
+        for p, n in zip(self.params, self.sizes):
             view = self.buffer[offset : offset + n]
             if p.grad is None:
                 view.zero_()
-                flags[i] = 0
             else:
                 view.copy_(p.grad.reshape(-1), non_blocking=True)
-                flags[i] = 1
             offset += n
+        flags = [0.0 if p.grad is None else 1.0 for p in self.params]
+        self.buffer[offset:].copy_(torch.tensor(flags, dtype=self.dtype))
         if self.buffer.is_pinned():
             torch.cuda.synchronize()
         return self.buffer

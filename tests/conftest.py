@@ -14,9 +14,14 @@ from lightning_hetero import HeteroStrategy
 # Collectives fail within this many seconds instead of hanging the suite when something is wrong.
 TIMEOUT = 60
 
+# The suite forks its workers (fast). A child forked after the parent ran multi-threaded OpenMP
+# work can hang, so the test process itself stays single-threaded; the workers set their own.
+torch.set_num_threads(1)
+
 
 def hetero(**kwargs: Any) -> HeteroStrategy:
     """A hetero strategy on emulated CPU stages, forked, with a short collective timeout."""
+    kwargs.setdefault("start_method", "fork")
     kwargs.setdefault("stages", ["cpu", "cpu"])
     kwargs.setdefault("micro_batches", 2)
     kwargs.setdefault("timeout", TIMEOUT)

@@ -18,9 +18,10 @@ from lightning_hetero import PipelineModule
 class Net(PipelineModule, L.LightningModule):
     """An MLP of six blocks (so up to six stages), regression loss, optimizer chosen by name."""
 
-    def __init__(self, optimizer: str = "adamw", scheduler: bool = True, width: int = 16, seed: int = 0) -> None:
+    def __init__(self, optimizer: str = "adamw", scheduler: bool = True, width: int = 16, seed: int | None = 0) -> None:
         super().__init__()
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         self.optimizer_name = optimizer
         self.scheduler = scheduler
         self.layers = nn.ModuleList(

@@ -1,5 +1,5 @@
 """Every way of starting the processes trains the same model: fork (the rest of the suite), spawn,
-torchrun, and SLURM's srun (simulated: one process per task with srun's environment)."""
+popen, torchrun, and SLURM's srun (simulated: one process per task with srun's environment)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
@@ -18,31 +19,30 @@ TOL = 1e-10
 SCRIPT = Path(__file__).with_name("external_launch.py")
 
 
-def reference() -> Net:
+@pytest.fixture(scope="module")
+def reference() -> dict:
     model = Net()
     trainer(None, max_steps=8).fit(model, regression_data())
-    return model
+    return model.state_dict()
 
 
-def test_spawn() -> None:
+def test_spawn(reference: dict) -> None:
     model = Net()
     trainer(hetero(cpu_fraction=0.5, start_method="spawn"), max_steps=8).fit(model, regression_data())
-    assert max_param_diff(reference(), model) < TOL
+    assert max_param_diff(reference, model) < TOL
 
 
 def clean_env() -> dict[str, str]:
-    drop = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    drop = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK")
     return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
 
 
-def test_torchrun(tmp_path: Path) -> None:
+def torchrun(out: Path, *flags: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT)]
-    subprocess.run([*command, str(tmp_path)], check=True, env=clean_env(), timeout=240)
-    assert (tmp_path / "environment.txt").read_text() == "TorchElasticEnvironment"
-    assert max_param_diff(reference().state_dict(), torch.load(tmp_path / "state.pt")) < TOL
+    subprocess.run([*command, str(out), *flags], check=True, env=clean_env(), timeout=240)
 
 
-def test_slurm(tmp_path: Path) -> None:
+def slurm(out: Path) -> None:
     env = clean_env()
     env.update(
         SLURM_NTASKS="3",
@@ -55,9 +55,41 @@ def test_slurm(tmp_path: Path) -> None:
         MASTER_PORT=str(find_free_network_port()),
     )
     tasks = [
-        subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path)], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+        subprocess.Popen([sys.executable, str(SCRIPT), str(out)], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
         for i in range(3)
     ]
     assert [task.wait(timeout=240) for task in tasks] == [0, 0, 0]
-    assert (tmp_path / "environment.txt").read_text() == "SLURMEnvironment"
-    assert max_param_diff(reference().state_dict(), torch.load(tmp_path / "state.pt")) < TOL
+
+
+def popen(out: Path, *flags: str) -> None:
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--popen", *flags], check=True, env=clean_env(), timeout=240)
+
+
+def string_strategy(out: Path) -> None:
+    """`Trainer(strategy="hetero")` with every default: popen launch, two emulated stages, auto fraction."""
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--string"], check=True, env=clean_env(), timeout=240)
+
+
+@pytest.mark.parametrize(
+    "launch,environment",
+    [
+        (torchrun, "TorchElasticEnvironment"),
+        (slurm, "SLURMEnvironment"),
+        (popen, "LightningEnvironment"),
+        (string_strategy, "LightningEnvironment"),
+    ],
+    ids=["torchrun", "slurm", "popen", "string-strategy"],
+)
+def test_external_processes(tmp_path: Path, reference: dict, launch, environment: str) -> None:
+    launch(tmp_path)
+    assert (tmp_path / "environment.txt").read_text() == environment
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+
+
+def test_processes_that_build_their_own_model_start_from_rank_zero(tmp_path: Path) -> None:
+    """With no seed, each process initializes differently; the strategy must align them first."""
+    popen(tmp_path, "--unseeded")
+    held = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert set(held[1]) | set(held[2]) == set(held[0])  # the stages hold the model between them
+    for stage in held[1:]:
+        assert max_param_diff({k: held[0][k] for k in stage}, stage) == 0

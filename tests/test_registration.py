@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -32,10 +33,34 @@ def test_hetero_accelerator_needs_the_hetero_strategy() -> None:
         t.fit(Net(), regression_data())
 
 
-def test_plain_string_strategy_trains(tmp_path: Path) -> None:
+def test_device_stats_monitor(tmp_path: Path) -> None:
     model = Net()
-    t = trainer("hetero", tmp_path, max_steps=3, callbacks=[DeviceStatsMonitor()])
+    t = trainer(HeteroStrategy(start_method="fork", timeout=60), tmp_path, max_steps=3, callbacks=[DeviceStatsMonitor()])
     t.fit(model, regression_data())
     rows = read_metrics(tmp_path)
     assert len(column(rows, "train_loss")) == 3
     assert any(key.startswith("DeviceStatsMonitor") and "cpu_percent" in key for row in rows for key in row)
+
+
+class RecordLayout(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        record = {"role": str(strategy.role), "threads": torch.get_num_threads(), "device": str(strategy.root_device)}
+        record["params"] = sorted(n for n, p in pl_module.named_parameters() if not p.is_meta)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_roles_devices_threads_and_layer_placement(tmp_path: Path) -> None:
+    strategy = HeteroStrategy(stages=["cpu"] * 3, cpu_workers=2, cpu_threads=3, start_method="fork", timeout=60)
+    trainer(strategy, max_steps=1, callbacks=[RecordLayout(tmp_path)]).fit(Net(), regression_data())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(5)]
+    assert [r["role"] for r in ranks] == ["cpu0", "cpu1", "stage0", "stage1", "stage2"]
+    assert [r["threads"] for r in ranks] == [3, 3, 1, 1, 1]
+    assert all(r["device"] == "cpu" for r in ranks)
+    everything = sorted(n for n, _ in Net().named_parameters())
+    assert ranks[0]["params"] == ranks[1]["params"] == everything  # CPU workers hold full replicas
+    stage_params = [r["params"] for r in ranks[2:]]
+    assert sorted(sum(stage_params, [])) == everything and all(stage_params)  # stages split the layers

@@ -1,0 +1,97 @@
+"""Shared pieces of the benchmarks: a step timer, a synthetic model, and side-by-side alternation.
+
+The machines these run on are shared VMs whose speed drifts by tens of percent, so a benchmark
+never compares numbers from different runs: it alternates the configurations it compares inside
+one run, repeats them, and reports medians and ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hetero import PipelineModule
+
+
+class StepTimer(L.Callback):
+    """Wall time of each training iteration (batch end to batch end) on global rank 0, written as JSON."""
+
+    def __init__(self, out: Path, warmup: int = 3) -> None:
+        self.out, self.warmup = out, warmup
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._last is not None and trainer.global_step > self.warmup:
+            self.times.append(now - self._last)
+        self._last = now
+
+    def on_fit_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            self.out.write_text(json.dumps(self.times))
+
+
+class MLP(PipelineModule, L.LightningModule):
+    """`depth` blocks of Linear+Tanh, a regression head; big enough that compute dominates a step."""
+
+    def __init__(self, width: int = 512, depth: int = 6, features: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks: list[nn.Module] = [nn.Linear(features, width)]
+        for _ in range(depth - 2):
+            blocks += [nn.Tanh(), nn.Linear(width, width)]
+        blocks += [nn.Tanh(), nn.Linear(width, 1)]
+        self.layers = nn.ModuleList(blocks)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def synthetic_loader(samples: int, batch_size: int, features: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, features, generator=g), torch.randn(samples, 1, generator=g))
+    return DataLoader(data, batch_size=batch_size, drop_last=True)
+
+
+def step_times(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int) -> list[float]:
+    """Train ``steps`` steps and return the per-step wall times after warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        kwargs: dict[str, Any] = {"strategy": strategy} if strategy is not None else {"accelerator": "cpu", "devices": 1}
+        trainer = L.Trainer(
+            max_steps=steps,
+            callbacks=[StepTimer(out)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
+        trainer.fit(model, loader)
+        return json.loads(out.read_text())
+
+
+def alternate(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, float]:
+    """Run every configuration ``repeats`` times, interleaved; return each one's median step time."""
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, run in configs.items():
+            samples[name].extend(run())
+    return {name: statistics.median(times) for name, times in samples.items()}
