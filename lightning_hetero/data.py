@@ -1,11 +1,12 @@
 """Every rank of a node iterates the same batches in the same order, and takes its share of each.
 
 The user's DataLoader is kept as it is wherever its order cannot differ between processes (a
-sequential sampler, or a ``RandomSampler`` with its own generator, which every process copies),
-so a hetero run sees exactly the batches a single-process run sees. A ``RandomSampler`` without
-a generator draws from each process's global RNG, which the workers consume differently (dropout
-on the CPU worker, none on a middle stage); it is replaced by a ``DistributedSampler`` that
-shuffles from a shared seed. With several nodes, the nodes split the data as in DDP.
+sequential sampler, a ``RandomSampler`` with its own generator, which every process copies, or
+the ``DistributedSampler`` Lightning injects to split the data between nodes). A ``RandomSampler``
+without a generator draws from each process's global RNG, which the workers consume differently
+(dropout on the CPU worker, none on a middle stage): a training loader's is replaced by a
+``DistributedSampler`` that shuffles from the shared seed (``seed_everything``'s, or 0), as
+Lightning's DDP does; an evaluation loader's is an error, since its order could not be kept.
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ from torch.utils.data import DataLoader, RandomSampler
 __all__ = ["same_batches_on_every_rank"]
 
 
-def same_batches_on_every_rank(
-    dataloader: object, *, num_nodes: int, node_rank: int, overfit_batches: float, stage: Optional[RunningStage]
-) -> object:
+def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]) -> object:
     """Return a loader that yields the same batches on every rank of this node (see module doc)."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
     sampler = dataloader.sampler
     if dataloader.batch_sampler is not None and hasattr(dataloader.batch_sampler, "sampler"):
         sampler = dataloader.batch_sampler.sampler
-    shuffled = isinstance(sampler, RandomSampler)
-    if num_nodes == 1 and not (shuffled and sampler.generator is None):
+    if not isinstance(sampler, RandomSampler) or sampler.generator is not None:
         return dataloader
-    mode = RunningStage.PREDICTING if stage == RunningStage.PREDICTING else None
-    replacement = _get_distributed_sampler(
-        dataloader, shuffled, overfit_batches=overfit_batches, mode=mode, num_replicas=num_nodes, rank=node_rank
-    )
-    return _update_dataloader(dataloader, replacement, mode=mode)
+    if stage != RunningStage.TRAINING:
+        raise ValueError(
+            f"The {stage.dataloader_prefix if stage else 'evaluation'} dataloader shuffles with the global random"
+            " generator, which the hetero strategy's processes do not share, so they would not see the same"
+            " batches. Use `shuffle=False`, or pass the DataLoader a `generator=torch.Generator().manual_seed(...)`."
+        )
+    replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
+    return _update_dataloader(dataloader, replacement)

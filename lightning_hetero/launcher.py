@@ -20,7 +20,10 @@ import io
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
@@ -42,6 +45,19 @@ class _Processes(_MultiProcessingLauncher):
     """
 
     @override
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any) -> None:
+        # spawn and forkserver hand every child the model's CPU tensors in shared memory; Lightning
+        # copies them apart only for its CPUAccelerator. Each rank must own its parameters.
+        if self._start_method in ("spawn", "forkserver"):
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        except BaseException as error:
+            if _distributed_is_initialized():  # the error happened in this worker's run
+                error.add_note(self._strategy.describe_rank())
+            raise
+
+    @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
         output = super()._collect_rank_zero_results(trainer, results)
         if output is None:
@@ -53,7 +69,9 @@ class _Processes(_MultiProcessingLauncher):
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
         if worker_output.weights_path is not None:
-            trainer.strategy.precision_plugin.convert_module(trainer.lightning_module)
+            module = trainer.lightning_module
+            module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
+            trainer.strategy.precision_plugin.convert_module(module)
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
@@ -88,7 +106,8 @@ class HeteroLauncher(_Launcher):
         model = args[0] if args and isinstance(args[0], LightningModule) else None
         if model is None and trainer is not None:
             model = trainer.lightning_module
-        if model is not None:
+        # A model that builds its layers in `configure_model` is checked in each process, after it has.
+        if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
         results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":

@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "check_model_contract"]
+__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "inputs_of", "check_model_contract"]
 
 
 def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:
@@ -38,6 +38,11 @@ def split_inputs_targets(batch: Any) -> tuple[Any, Any]:
         f"The hetero strategy expects every batch to be a pair `(inputs, targets)`, but got {kind}."
         " Make your dataset or collate_fn return `(inputs, targets)`."
     )
+
+
+def inputs_of(batch: Any) -> Any:
+    """The inputs of a batch: the first item of ``(inputs, targets)`` or ``(inputs,)``, or the batch itself."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 class PipelineModule:
@@ -78,8 +83,7 @@ class PipelineModule:
         return self._pipeline_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(inputs)
+        return self(inputs_of(batch))
 
     def _pipeline_step(self, batch: Any, stage: str) -> Tensor:
         inputs, targets = split_inputs_targets(batch)

@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -95,7 +96,22 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def forward(self, *args: Any) -> Any:
-        return run_layers(self.layers, args if len(args) > 1 else args[0])
+        outputs = run_layers(self.layers, args if len(args) > 1 else args[0])
+        return _attached(outputs) if torch.is_grad_enabled() else outputs
+
+
+def _attached(outputs: Any) -> Any:
+    """Outputs that take part in autograd even when nothing before them needs a gradient.
+
+    A stage whose layers are all frozen and whose inputs are data (a frozen first stage, e.g. a
+    frozen embedding) produces outputs without a graph, and the schedule's backward of them
+    fails. Adding a zero that requires grad changes no value and lets the backward run through.
+    """
+    if isinstance(outputs, tuple):
+        return tuple(_attached(o) for o in outputs)
+    if isinstance(outputs, Tensor) and outputs.is_floating_point() and not outputs.requires_grad:
+        return outputs + torch.zeros((), dtype=outputs.dtype, device=outputs.device, requires_grad=True)
+    return outputs
 
 
 class _ScaledLoss:
@@ -148,8 +164,9 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def train_step(self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float) -> Any:
-        """Forward and backward over the share; return the merged outputs on the last stage.
+    def train_step(self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float) -> tuple[Any, float]:
+        """Forward and backward over the share; on the last stage, return the merged outputs and the
+        share's mean loss (``None`` and ``nan`` on the other stages).
 
         The loss of each micro-batch is multiplied by ``loss_scale`` before its backward; pass the
         share's weight in the global batch divided by ``micro_batches``, so the gradients left in
@@ -157,9 +174,11 @@ class Pipeline:
         """
         schedule = self._schedule(True, micro_batches, inputs)
         self._loss.scale = loss_scale
-        args = self._first_stage_args(inputs)
-        kwargs = {"target": _to_device(targets, self.device), "losses": []} if self.is_last else {}
-        return schedule.step(*args, **kwargs)
+        losses: list[Tensor] = []
+        kwargs = {"target": move_data_to_device(targets, self.device), "losses": losses} if self.is_last else {}
+        outputs = schedule.step(*self._first_stage_args(inputs), **kwargs)
+        mean = sum(float(loss.detach()) for loss in losses) / (loss_scale * micro_batches) if losses else float("nan")
+        return outputs, mean
 
     def eval_step(self, inputs: Any, micro_batches: int) -> Any:
         """Forward only over the share; return the merged outputs on the last stage."""
@@ -169,7 +188,7 @@ class Pipeline:
     def _first_stage_args(self, inputs: Any) -> tuple:
         if not self.is_first:
             return ()
-        inputs = _to_device(inputs, self.device)
+        inputs = move_data_to_device(inputs, self.device)
         return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
     def _schedule(self, train: bool, micro_batches: int, inputs: Any) -> PipelineScheduleSingle:
@@ -198,8 +217,3 @@ def _layout(inputs: Any) -> tuple:
     tensors = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
-
-def _to_device(data: Any, device: torch.device) -> Any:
-    if isinstance(data, (tuple, list)):
-        return type(data)(_to_device(d, device) for d in data)
-    return data.to(device, non_blocking=True) if isinstance(data, Tensor) else data

@@ -8,15 +8,21 @@ through Lightning on *every* rank. So ``trainer.callback_metrics`` is the same e
 ``ModelCheckpoint``, ``EarlyStopping`` and the loggers see whole-batch values.
 
 Values are combined the way Lightning reduces a logged value over steps: ``mean`` (the default)
-is a mean weighted by each worker's sample count (or the ``batch_size`` it passed), ``sum`` adds,
-``max``/``min`` take the extreme. A ``torchmetrics.Metric`` logged as an object keeps its state on
-each worker; its epoch value is computed by torchmetrics' own cross-process sync.
+is a mean weighted by each worker's sample count, ``sum`` adds, ``max``/``min`` take the extreme.
+A ``batch_size`` passed to ``self.log`` is the value's weight instead, except that the size of the
+whole batch (what a single-process run would pass) stands for the worker's own share. A
+``torchmetrics.Metric`` logged as an object keeps its state on each worker; its epoch value is
+computed by torchmetrics' cross-process sync, which the strategy routes over gloo.
+
+Values logged from other hooks (``on_train_epoch_end``, callbacks, ...) are each rank's own, as
+with DDP; middle pipeline stages compute no samples, so such hooks see nothing collected there.
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +32,16 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["LoggedValue", "WorkerReport", "LogCapture", "exchange", "combine_loss", "combine_logs", "relog"]
+__all__ = [
+    "LoggedValue",
+    "WorkerReport",
+    "LogCapture",
+    "exchange",
+    "combine_loss",
+    "combine_logs",
+    "relog",
+    "merge_outputs",
+]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCE_NAMES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
@@ -56,11 +71,15 @@ class WorkerReport:
 
 
 class LogCapture:
-    """While active, ``module.log`` (and so ``log_dict``) records its calls instead of logging them."""
+    """While active, ``module.log`` (and so ``log_dict``) records its calls instead of logging them.
 
-    def __init__(self, module: LightningModule, samples: int) -> None:
+    ``samples`` is the worker's share of a batch of ``batch_size`` samples.
+    """
+
+    def __init__(self, module: LightningModule, samples: int, batch_size: int) -> None:
         self.module = module
         self.samples = samples
+        self.batch_size = batch_size
         self.logs: list[LoggedValue] = []
 
     def __enter__(self) -> LogCapture:
@@ -77,7 +96,7 @@ class LogCapture:
             options.pop(key, None)
         name, value = bound.arguments["name"], bound.arguments["value"]
         batch_size = bound.arguments.get("batch_size")
-        weight = float(batch_size) if batch_size is not None else float(self.samples)
+        weight = float(self.samples if batch_size in (None, self.batch_size) else batch_size)
         metric = None
         if isinstance(value, Metric):
             metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
@@ -177,3 +196,25 @@ def relog(module: LightningModule, values: list[LoggedValue], device: torch.devi
         else:
             value = item.value if item.dtype is None else torch.tensor(item.value, dtype=item.dtype, device=device)
             module.log(item.name, value, batch_size=weight, **options)
+
+
+def merge_outputs(parts: list[tuple[int, Any]]) -> Any:
+    """Join the outputs of workers' shares, given as ``(samples, output)`` in batch order.
+
+    Tensors are concatenated along the batch dimension; a list with one entry per sample is
+    extended; tuples, dicts and other lists are merged element by element.
+    """
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0][1]
+    first = parts[0][1]
+    if isinstance(first, Tensor):
+        return torch.cat([output for _, output in parts])
+    if isinstance(first, Mapping):
+        return type(first)({k: merge_outputs([(n, out[k]) for n, out in parts]) for k in first})
+    if isinstance(first, list) and all(len(out) == n for n, out in parts):
+        return [item for _, out in parts for item in out]
+    if isinstance(first, (list, tuple)):
+        return type(first)(merge_outputs([(n, out[i]) for n, out in parts]) for i in range(len(first)))
+    return [output for _, output in parts]

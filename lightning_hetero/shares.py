@@ -32,14 +32,6 @@ class Shares:
     def pipeline_size(self) -> int:
         return self.pipeline[1] - self.pipeline[0]
 
-    @property
-    def cpu_size(self) -> int:
-        return self.batch_size - self.pipeline_size
-
-    def cpu_worker_size(self, index: int) -> int:
-        start, stop = self.cpu[index]
-        return stop - start
-
 
 def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_batches: int) -> Shares:
     """Divide ``batch_size`` samples between ``cpu_workers`` CPU workers and the pipeline (see module doc)."""

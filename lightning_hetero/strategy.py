@@ -43,6 +43,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -51,7 +53,7 @@ from lightning_hetero.launcher import HeteroLauncher
 from lightning_hetero.data import same_batches_on_every_rank
 from lightning_hetero.module import check_model_contract
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
-from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, relog
+from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, merge_outputs, relog
 from lightning_hetero.shares import Shares, split_batch
 from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized, owned_optimizer_state
 from lightning_hetero.sync import GradientSync, add_grads, global_grad_norm
@@ -62,6 +64,7 @@ from lightning_hetero.topology import (
     Topology,
     build_process_groups,
     resolve_stage_devices,
+    threads_for,
     world_backend,
 )
 from lightning_hetero.workers import CpuWorker, StageWorker, batch_size_of
@@ -145,6 +148,8 @@ class HeteroStrategy(ParallelStrategy):
         self._grad_sync: Optional[GradientSync] = None
         self._sync_gradients = True
         self._layers: Optional[list[nn.Module]] = None
+        self._bounds: list[tuple[int, int]] = []
+        self._default_precision: Optional[Precision] = None
 
     # ------------------------------------------------------------------ layout
 
@@ -174,10 +179,6 @@ class HeteroStrategy(ParallelStrategy):
         """The share of each batch the CPU workers compute."""
         return self._cpu_fraction
 
-    @property
-    def micro_batches(self) -> int:
-        return self._micro_batches
-
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
         return split_batch(batch_size, self._cpu_fraction, self._cpu_workers, self._micro_batches)
@@ -186,9 +187,10 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # False keeps Lightning from injecting its shuffling DistributedSampler: every rank of a node
-        # must see the same batches (see `process_dataloader`).
-        return False
+        # Lightning then injects a DistributedSampler built from `distributed_sampler_kwargs`, which
+        # splits the data between nodes; within a node every rank must see the same batches, so a
+        # single node keeps the user's loader (see `process_dataloader`).
+        return self._num_nodes > 1
 
     @property
     @override
@@ -233,7 +235,12 @@ class HeteroStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
+        if self._precision_plugin is not None:
+            return self._precision_plugin
+        if self._default_precision is None:
+            self._default_precision = Precision()
+            self._default_precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        return self._default_precision
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
@@ -256,15 +263,7 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if not trainer._accelerator_connector.use_distributed_sampler:
-            return dataloader
-        return same_batches_on_every_rank(
-            dataloader,
-            num_nodes=self._num_nodes,
-            node_rank=self.node_rank,
-            overfit_batches=trainer.overfit_batches,
-            stage=trainer.state.stage,
-        )
+        return same_batches_on_every_rank(dataloader, trainer.state.stage)
 
     @property
     @override
@@ -291,12 +290,6 @@ class HeteroStrategy(ParallelStrategy):
         return layers
 
     @override
-    def connect(self, model: LightningModule) -> None:
-        if self.cluster_environment is not None and self.cluster_environment.creates_processes_externally:
-            self.check_model(model)  # no launcher ran the check in a main process
-        super().connect(model)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -310,25 +303,12 @@ class HeteroStrategy(ParallelStrategy):
             )
         _init_dist_connection(self.cluster_environment, world_backend(self.topology), timeout=self._timeout)
         self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
-        self._control = dist.new_group(backend="gloo", timeout=self._timeout)
-        torch.set_num_threads(self._threads())
+        self._control = self._groups.control
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(threads_for(self.role, self.topology, cores, self._cpu_threads))
         # Logged values are combined over the workers before Lightning sees them (`results.py`),
         # so its advice to pass `sync_dist=True` does not apply.
         warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
-
-    def _threads(self) -> int:
-        """CPU threads for this process: emulated stages share the cores evenly with the CPU workers;
-        with GPU stages, each stage process keeps one core and the CPU workers share the rest."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        topo = self.topology
-        if self.role.is_stage:
-            return 1 if self.root_device.type == "cuda" else max(1, cores // topo.procs_per_node)
-        if self._cpu_threads is not None:
-            return self._cpu_threads
-        gpu_stages = sum(d.type == "cuda" for d in topo.stage_devices)
-        if gpu_stages:
-            return max(1, (cores - gpu_stages) // topo.cpu_workers)
-        return max(1, cores // topo.procs_per_node)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -337,26 +317,29 @@ class HeteroStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._layers is None:
             self._layers = check_model_contract(module)
+            self._bounds = partition_layers(self._layers, len(self._stage_devices))
             if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
                 # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
                 _sync_module_states(module, self._control, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
             self.model = self.precision_plugin.convert_module(module)
             self._place_model()
+        # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
+        move_materialized(module, self.root_device)
+        _update_properties(module, device=self.root_device)
+        _sync_metrics_over(module, self._control)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            _check_optimizers(self.optimizers)
             self._grad_sync = self._build_grad_sync()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _stage_bounds(self) -> list[tuple[int, int]]:
-        assert self._layers is not None
-        return partition_layers(self._layers, len(self._stage_devices))
-
     def _stage_params(self, stage: int) -> list[nn.Parameter]:
+        """The parameters of ``stage``'s layers, frozen ones included (they may be unfrozen later)."""
         assert self._layers is not None
-        start, stop = self._stage_bounds()[stage]
-        return [p for layer in self._layers[start:stop] for p in layer.parameters() if p.requires_grad]
+        start, stop = self._bounds[stage]
+        return [p for layer in self._layers[start:stop] for p in layer.parameters()]
 
     def _place_model(self) -> None:
         """Keep the whole replica on a CPU worker; on a stage, keep its layers on its device and
@@ -364,16 +347,13 @@ class HeteroStrategy(ParallelStrategy):
         module, role, device = self.lightning_module, self.role, self.root_device
         assert module is not None and self._layers is not None
         if role.is_cpu_worker:
-            module.to(device)
             params = [p for s in range(len(self._stage_devices)) for p in self._stage_params(s)]
             self._worker = CpuWorker(module, params, role.index)
             return
-        start, stop = self._stage_bounds()[role.index]
+        start, stop = self._bounds[role.index]
         for i, layer in enumerate(self._layers):
             if not start <= i < stop:
                 layer.to("meta")
-        move_materialized(module, device)
-        _update_properties(module, device=device)
         assert self._groups is not None and self._groups.stage is not None
         pipeline = Pipeline(
             module=StageModule(self._layers[start:stop]),
@@ -455,12 +435,12 @@ class HeteroStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
-            return
         own = [p.grad for p in params] if self.role.is_stage else None
         topo = self.topology
+        # Every rank joins the norm's all-reduce, also one whose stage has no gradients at all.
         total = global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].grad.dtype))
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].grad.dtype))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -475,11 +455,14 @@ class HeteroStrategy(ParallelStrategy):
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
         assert self._worker is not None
         with self.precision_plugin.predict_step_context():
-            _, output = self._worker.eval_step("predict_step", batch, rest, self.shares(batch_size_of(batch)))
-        parts: list[Any] = [None] * dist.get_world_size() if self.global_rank == 0 else None  # type: ignore[assignment]
-        cpu_output = None if output is None else move_data_to_device(output, "cpu")
-        dist.gather_object(cpu_output, parts, dst=0, group=self._control)
-        return _concat([p for p in parts if p is not None]) if parts is not None else None
+            report, output = self._worker.eval_step("predict_step", batch, rest, self.shares(batch_size_of(batch)))
+        # Each node's first rank assembles the node's batch from its workers' shares, in batch order.
+        assert self._groups is not None
+        first = self.topology.node_ranks(self.node_rank)[0]
+        mine = (report.samples, move_data_to_device(output, "cpu")) if report.samples else None
+        parts: Optional[list[Any]] = [None] * self.num_processes if self.global_rank == first else None
+        dist.gather_object(mine, parts, dst=first, group=self._groups.node)
+        return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
 
     def _eval_step(self, method: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
@@ -565,6 +548,25 @@ class HeteroStrategy(ParallelStrategy):
             move_materialized(module, self.root_device)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # In the main process of a fork/spawn run (no process group), the error is a worker's,
+        # already described by that worker (see `launcher.py`).
+        if _distributed_is_initialized():
+            exception.add_note(self.describe_rank())
+
+    def describe_rank(self) -> str:
+        """Which process this is, for error messages."""
+        note = f"[hetero] raised on global rank {self.global_rank} ({self.role} of {self.topology.describe()})."
+        if self.role.is_stage:
+            note += " The layers of the other stages exist only on the meta device on this rank."
+            if not self.role.is_last_stage:
+                note += (
+                    " A middle pipeline stage computes no samples itself: outputs collected in your step"
+                    " methods stay empty here, so hooks such as `on_validation_epoch_end` must handle none."
+                )
+        return note
+
+    @override
     def teardown(self) -> None:
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         module = self.lightning_module
@@ -607,17 +609,25 @@ def _overrides(module: LightningModule, method: str) -> bool:
     return getattr(type(module), method) is not getattr(LightningModule, method)
 
 
-def _concat(parts: list[Any]) -> Any:
-    """Join per-worker predictions along the batch dimension, keeping their structure."""
-    if not parts:
-        return None
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    if isinstance(first, Tensor):
-        return torch.cat(parts)
-    if isinstance(first, Mapping):
-        return type(first)({k: _concat([p[k] for p in parts]) for k in first})
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat(list(items)) for items in zip(*parts))
-    return parts
+def _gather_on_cpu(tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+    """torchmetrics' state gather, through CPU copies: a metric's state may sit on a GPU stage on one
+    rank and on the CPU on another, and the control group is gloo."""
+    return [t.to(tensor.device) for t in gather_all_tensors(tensor.cpu(), group)]
+
+
+def _sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sync every torchmetrics ``Metric`` of the module over ``group`` (see `_gather_on_cpu`)."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.process_group = group
+            metric.dist_sync_fn = _gather_on_cpu
+
+
+def _check_optimizers(optimizers: list[Optimizer]) -> None:
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS re-evaluates the loss inside `optimizer.step` and treats all parameters as one vector,"
+                " which the hetero strategy cannot split between stages. Use a first-order optimizer."
+            )

@@ -44,20 +44,21 @@ def add_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) ->
 
 
 class _FlatBucket:
-    """One stage's gradients on this rank, packed into one CPU buffer followed by one flag per parameter.
+    """Gradients of some parameters packed into one CPU buffer, followed by one flag per parameter.
 
-    The flag is 1 where this rank has a gradient; a parameter whose summed flag is 0 was used by no
-    worker and keeps ``grad=None``, so the optimizer skips it exactly as it would in one process.
+    The flag is 1 where this rank has a gradient. After the all-reduce, a parameter whose summed
+    flag is 0 was used by no rank and keeps ``grad=None``, so the optimizer skips it exactly as it
+    would in one process; the layout never depends on which gradients exist, so every rank sends
+    a buffer of the same size.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool = False) -> None:
         self.params = list(params)
         self.group = group
-        self.dtype = params[0].dtype
+        self.divisor = dist.get_world_size(group) if average else 1
         self.sizes = [p.numel() for p in params]
-        total = sum(self.sizes) + len(params)
         pin = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        self.buffer = torch.empty(total, dtype=self.dtype, pin_memory=pin)
+        self.buffer = torch.empty(sum(self.sizes) + len(params), dtype=params[0].dtype, pin_memory=pin)
 
     def pack(self) -> Tensor:
         offset = 0
@@ -69,12 +70,14 @@ class _FlatBucket:
                 view.copy_(p.grad.reshape(-1), non_blocking=True)
             offset += n
         flags = [0.0 if p.grad is None else 1.0 for p in self.params]
-        self.buffer[offset:].copy_(torch.tensor(flags, dtype=self.dtype))
+        self.buffer[offset:].copy_(torch.tensor(flags, dtype=self.buffer.dtype))
         if self.buffer.is_pinned():
             torch.cuda.synchronize()
         return self.buffer
 
     def unpack(self) -> None:
+        if self.divisor != 1:
+            self.buffer[: sum(self.sizes)] /= self.divisor
         flags = self.buffer[sum(self.sizes) :].tolist()
         offset = 0
         for i, (p, n) in enumerate(zip(self.params, self.sizes)):
@@ -89,7 +92,7 @@ class _FlatBucket:
 
 
 class GradientSync:
-    """Sums each stage's gradients over its sync group, and averages over nodes.
+    """Sums each stage's gradients over its sync group, then averages over nodes.
 
     ``buckets`` holds, for each stage this rank takes part in, the parameters of that stage (on
     this rank) and the stage's sync group; ranks with nothing to sum with (no CPU worker) pass none.
@@ -101,29 +104,21 @@ class GradientSync:
         replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._buckets = [_FlatBucket(params, group) for params, group in buckets if group is not None and params]
-        self._params = [p for params, _ in buckets for p in params]
-        self._replica_group = replica_group
+        params = [p for params, _ in buckets for p in params]
+        self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
 
     def all_reduce(self) -> None:
-        works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in self._buckets]
-        for work in works:
-            work.wait()
-        for bucket in self._buckets:
-            bucket.unpack()
-        if self._replica_group is not None:
-            self._average_over_nodes()
+        _all_reduce(self._buckets)
+        if self._nodes is not None:
+            _all_reduce([self._nodes])
 
-    def _average_over_nodes(self) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self._replica_group)
-        flat /= dist.get_world_size(self._replica_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+
+def _all_reduce(buckets: Sequence[_FlatBucket]) -> None:
+    works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in buckets]
+    for work in works:
+        work.wait()
+    for bucket in buckets:
+        bucket.unpack()
 
 
 def global_grad_norm(

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 
-__all__ = ["Role", "Topology", "ProcessGroups", "resolve_stage_devices", "build_process_groups"]
+__all__ = ["Role", "Topology", "ProcessGroups", "resolve_stage_devices", "build_process_groups", "threads_for"]
 
 StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
 
@@ -94,9 +94,31 @@ class Topology:
         base = node * self.procs_per_node + self.cpu_workers
         return list(range(base, base + self.num_stages))
 
+    def node_ranks(self, node: int) -> list[int]:
+        return self.cpu_ranks(node) + self.stage_ranks(node)
+
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
         return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
+
+
+def threads_for(role: Role, topology: Topology, cores: int, cpu_threads: int | None = None) -> int:
+    """Torch threads for one process of a node with ``cores`` cores.
+
+    Emulated (CPU) stages share the cores evenly with the CPU workers. With GPU stages, each GPU
+    stage process keeps one core to drive its device and the CPU workers share the rest.
+    ``cpu_threads`` overrides the CPU workers' count.
+    """
+    gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
+    if role.is_stage:
+        if topology.stage_devices[role.index].type == "cuda":
+            return 1
+        return max(1, cores // topology.procs_per_node)
+    if cpu_threads is not None:
+        return cpu_threads
+    if gpu_stages:
+        return max(1, (cores - gpu_stages) // topology.cpu_workers)
+    return max(1, cores // topology.procs_per_node)
 
 
 def resolve_stage_devices(stages: StagesArg) -> tuple[torch.device, ...]:
@@ -168,12 +190,16 @@ def _parse_device(item: Union[str, int, torch.device]) -> torch.device:
 class ProcessGroups:
     """The process groups this rank communicates in.
 
-    ``stage`` connects this node's stages (the pipeline's sends and receives). ``sync[s]`` joins
-    stage ``s`` with the CPU workers of its node, for gradient sync; it is ``None`` where this rank
-    is not a member. ``replica`` joins this rank with the same local rank on every other node.
-    Control traffic (loss, logged values, decisions) uses the world group, on gloo.
+    ``control`` is every rank, on gloo: losses, logged values, decisions and small tensors, which
+    travel as CPU tensors whatever the device (the default group may be NCCL for CUDA tensors).
+    ``node`` is every rank of this node, on gloo. ``stage`` connects this node's stages (the
+    pipeline's sends and receives). ``sync[s]`` joins stage ``s`` with the CPU workers of its node,
+    for gradient sync; it is ``None`` where this rank is not a member. ``replica`` joins this rank
+    with the same local rank on every other node (gloo: gradients travel as CPU buffers).
     """
 
+    control: dist.ProcessGroup
+    node: dist.ProcessGroup
     stage: dist.ProcessGroup | None
     sync: list[dist.ProcessGroup | None]
     replica: dist.ProcessGroup | None
@@ -188,6 +214,13 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
     """Create every group on every rank (``new_group`` is collective) and keep the ones this rank is in."""
     stage_backend = "nccl" if topology.uses_cuda else "gloo"
     node = global_rank // topology.procs_per_node
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    node_group = control
+    if topology.num_nodes > 1:
+        for n in range(topology.num_nodes):
+            group = dist.new_group(topology.node_ranks(n), timeout=timeout, backend="gloo")
+            if n == node:
+                node_group = group
     stage_group = None
     sync: list[dist.ProcessGroup | None] = [None] * topology.num_stages
     for n in range(topology.num_nodes):
@@ -205,8 +238,7 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
     if topology.num_nodes > 1:
         for local in range(topology.procs_per_node):
             ranks = [n * topology.procs_per_node + local for n in range(topology.num_nodes)]
-            backend = "nccl" if topology.local_devices[local].type == "cuda" else "gloo"
-            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            group = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if global_rank in ranks:
                 replica = group
-    return ProcessGroups(stage=stage_group, sync=sync, replica=replica)
+    return ProcessGroups(control=control, node=node_group, stage=stage_group, sync=sync, replica=replica)

@@ -13,15 +13,17 @@ when ``training_step`` returns), and set the new gradients aside: Lightning zero
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_hetero.module import split_inputs_targets
-from lightning_hetero.pipeline import Pipeline, _to_device
+from lightning_hetero.module import inputs_of, split_inputs_targets
+from lightning_hetero.pipeline import Pipeline
 from lightning_hetero.results import LogCapture, WorkerReport
 from lightning_hetero.shares import Shares
 from lightning_hetero.sync import restore_grads, set_grads_aside
@@ -51,12 +53,14 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     return batch
 
 
-def loss_of(output: Any, method: str) -> Tensor | None:
-    if isinstance(output, Mapping):
-        return output.get("loss")
-    if isinstance(output, Tensor) or output is None:
-        return output
-    raise TypeError(f"`{method}` must return a loss tensor or a dict with a 'loss' key, got {type(output).__name__}.")
+def _loss_of(output: Any, method: str) -> Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"`{method}` must return the loss, as a tensor or a dict with a 'loss' key, on every step; got"
+            f" {type(output).__name__}. The hetero strategy cannot skip a step on one worker only."
+        )
+    return loss
 
 
 class _Worker:
@@ -67,7 +71,7 @@ class _Worker:
         self.params = list(params)
         self.fresh_grads: list[Tensor | None] | None = None
 
-    def _train(self, compute: Any, keep_old_grads: bool) -> Any:
+    def _train(self, compute: Callable[[], Any], keep_old_grads: bool) -> Any:
         """Run ``compute()`` (forward and backward) with this step's gradients kept apart from older ones.
 
         The older gradients go back in place for Lightning to zero or accumulate into; where
@@ -82,12 +86,12 @@ class _Worker:
             restore_grads(self.params, old)
         return result
 
-    def _run_step(self, method: str, batch: Any, rest: tuple, samples: int) -> tuple[WorkerReport, Any]:
-        with LogCapture(self.module, samples) as capture:
+    def _run_step(self, method: str, batch: Any, rest: tuple, samples: int, batch_size: int) -> tuple[WorkerReport, Any]:
+        with LogCapture(self.module, samples, batch_size) as capture:
             output = getattr(self.module, method)(batch, *rest)
         report = WorkerReport(samples=samples, logs=capture.logs)
-        loss = loss_of(output, method) if method == "training_step" else None
-        if loss is not None:
+        if method == "training_step":
+            loss = _loss_of(output, method)
             report.loss, report.loss_dtype = float(loss.detach().double()), loss.dtype
         return report, output
 
@@ -108,11 +112,10 @@ class CpuWorker(_Worker):
             return WorkerReport(), None
 
         def compute() -> tuple[WorkerReport, Any]:
-            report, output = self._run_step("training_step", slice_batch(batch, start, stop), (batch_idx,), stop - start)
-            loss = loss_of(output, "training_step")
-            if loss is None:
-                raise RuntimeError("`training_step` returned None; the hetero strategy needs a loss on every step.")
-            self.module.backward(loss * ((stop - start) / (shares.batch_size * accumulate)))
+            share = slice_batch(batch, start, stop)
+            report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
+            weight = (stop - start) / (shares.batch_size * accumulate)
+            self.module.backward(_loss_of(output, "training_step") * weight)
             return report, output
 
         return self._train(compute, keep_old_grads)
@@ -121,7 +124,7 @@ class CpuWorker(_Worker):
         start, stop = shares.cpu[self.index]
         if start == stop:
             return WorkerReport(), None
-        return self._run_step(method, slice_batch(batch, start, stop), rest, stop - start)
+        return self._run_step(method, slice_batch(batch, start, stop), rest, stop - start, shares.batch_size)
 
 
 class StageWorker(_Worker):
@@ -141,25 +144,26 @@ class StageWorker(_Worker):
         share = slice_batch(batch, start, stop)
         inputs, targets = split_inputs_targets(share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
-        outputs = self._train(
+        outputs, pipeline_loss = self._train(
             lambda: self.pipeline.train_step(inputs, targets, shares.micro_batches, scale), keep_old_grads
         )
         if not self.pipeline.is_last:
             return WorkerReport(), None
-        return self._replay("training_step", share, (batch_idx,), outputs.detach(), stop - start)
+        report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
+        _check_same_loss(type(self.module).__name__, report.loss, pipeline_loss)
+        return report, output
 
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = shares.pipeline
         if start == stop:
             return WorkerReport(), None
         share = slice_batch(batch, start, stop)
-        inputs = share[0] if isinstance(share, (tuple, list)) else share
-        outputs = self.pipeline.eval_step(inputs, shares.micro_batches)
+        outputs = self.pipeline.eval_step(inputs_of(share), shares.micro_batches)
         if not self.pipeline.is_last:
             return WorkerReport(), None
-        return self._replay(method, share, rest, outputs, stop - start)
+        return self._replay(method, share, rest, outputs, shares)
 
-    def _replay(self, method: str, share: Any, rest: tuple, outputs: Any, samples: int) -> tuple[WorkerReport, Any]:
+    def _replay(self, method: str, share: Any, rest: tuple, outputs: Any, shares: Shares) -> tuple[WorkerReport, Any]:
         """Run the module's ``method`` on the share with ``forward`` answering with the pipeline's outputs."""
         calls = []
 
@@ -170,7 +174,8 @@ class StageWorker(_Worker):
         self.module.forward = forward  # type: ignore[method-assign]
         try:
             with torch.no_grad():
-                report, output = self._run_step(method, _to_device(share, self.pipeline.device), rest, samples)
+                share = move_data_to_device(share, self.pipeline.device)
+                report, output = self._run_step(method, share, rest, shares.pipeline_size, shares.batch_size)
         finally:
             del self.module.forward
         if len(calls) != 1:
@@ -180,3 +185,15 @@ class StageWorker(_Worker):
                 " on its stages."
             )
         return report, output
+
+
+def _check_same_loss(model: str, step_loss: float | None, pipeline_loss: float) -> None:
+    """The stages train on ``pipeline_loss``; a ``training_step`` that returns another loss would
+    train the CPU worker's share on something else, so say so instead of training a wrong model."""
+    if step_loss is not None and not math.isclose(step_loss, pipeline_loss, rel_tol=1e-4, abs_tol=1e-6):
+        raise ValueError(
+            f"`{model}.training_step` returned a loss of {step_loss:.6g} where `pipeline_loss` gives"
+            f" {pipeline_loss:.6g} on the same samples. The pipeline stages train on `pipeline_loss(output,"
+            " target)`, so `training_step` must return exactly that loss (no extra terms); put regularizers"
+            " into `pipeline_loss` or into the layers."
+        )

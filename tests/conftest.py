@@ -58,3 +58,32 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("worker processes were started before the bad input was reported")
 
     monkeypatch.setattr(mp, "start_processes", refuse)
+
+
+class RecordCopies(L.Callback):
+    """Every rank writes the parameters it holds after every training batch (invariant 3's evidence)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        held = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if not p.is_meta}
+        self.steps.append(held)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(self.steps, self.out_dir / f"copies{trainer.global_rank}.pt")
+
+
+def assert_copies_identical(out_dir: Path) -> None:
+    """After every step, every copy of every parameter is bit-identical on all ranks holding one."""
+    ranks = [torch.load(path) for path in sorted(out_dir.glob("copies*.pt"))]
+    assert len(ranks) > 1 and all(len(r) == len(ranks[0]) > 0 for r in ranks)
+    for step in range(len(ranks[0])):
+        seen: dict[str, torch.Tensor] = {}
+        for held in ranks:
+            for name, value in held[step].items():
+                if name in seen:
+                    assert torch.equal(seen[name], value), f"copies of {name} differ after batch {step}"
+                seen[name] = value
+        assert len(seen) == len(ranks[0][step]) or set(seen) >= set(ranks[0][step])

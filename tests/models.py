@@ -67,6 +67,8 @@ class Classifier(PipelineModule, L.LightningModule):
         loss = self.pipeline_loss(out, y)
         self.train_acc(out, y)
         self.log("train_loss", loss)
+        # The whole batch's size, as a single-process run passes it; its epoch mean weighs by it.
+        self.log("train_loss_sized", loss, batch_size=12, on_step=False, on_epoch=True)
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         self.log("seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)
         return loss
@@ -80,6 +82,27 @@ class Classifier(PipelineModule, L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class LazyNet(Net):
+    """`Net` whose layers are built in `configure_model`, Lightning's hook for large models."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.optimizer_name, self.scheduler = "adamw", True
+        self.layers: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = Net().layers
+
+
+class Predictor(Net):
+    """`Net` whose predictions are a dict holding a tensor and one string per sample."""
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        out = self(batch[0])
+        return {"out": out, "labels": [f"{v:.6f}" for v in out[:, 0].tolist()]}
 
 
 def regression_data(n: int = 44, batch_size: int = 12, seed: int = 1) -> DataLoader:

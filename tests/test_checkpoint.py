@@ -7,22 +7,24 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from tests.conftest import hetero, max_param_diff, trainer
-from tests.models import Net, regression_data
+from tests.models import Net, column, read_metrics, regression_data
 
 TOL = 1e-10
 
 
-def fit(strategy: Any, steps: int, ckpt_dir: Path | None = None, ckpt_path: Path | None = None) -> Net:
-    callbacks = []
+def fit(
+    strategy: Any, steps: int, ckpt_dir: Path | None = None, ckpt_path: Path | None = None, log_dir: Path | None = None
+) -> Net:
+    callbacks: list = [LearningRateMonitor("step")] if log_dir else []
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1))
     # Created in float64: Lightning loads a checkpoint into the model before the precision plugin
     # converts it, so a float32 model would round the checkpoint's float64 weights on resume.
     model = Net(optimizer="adamw").double()
-    t = trainer(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(callbacks))
+    t = trainer(strategy, log_dir, max_steps=steps, callbacks=callbacks, enable_checkpointing=ckpt_dir is not None)
     t.fit(model, regression_data(), ckpt_path=ckpt_path)
     return model
 
@@ -38,9 +40,14 @@ def test_resume_matches_uninterrupted(tmp_path: Path, reference: Net, writer: st
     strategies = {"hetero": hetero(cpu_fraction=0.5), "plain": None, "hetero-no-cpu-worker": hetero(cpu_workers=0)}
     fit(strategies[writer], steps=at_step, ckpt_dir=tmp_path)
     ckpt = tmp_path / f"step={at_step}.ckpt"
-    resumed_plain = fit(None, steps=8, ckpt_path=ckpt)
-    resumed_hetero = fit(hetero(stages=["cpu"] * 3, schedule="1F1B", micro_batches=3, cpu_fraction=0.3), 8, ckpt_path=ckpt)
+    resumed_plain = fit(None, steps=8, ckpt_path=ckpt, log_dir=tmp_path / "plain")
+    strategy = hetero(stages=["cpu"] * 3, schedule="1F1B", micro_batches=3, cpu_fraction=0.3)
+    resumed_hetero = fit(strategy, 8, ckpt_path=ckpt, log_dir=tmp_path / "hetero")
     assert max_param_diff(resumed_plain, resumed_hetero) < TOL
+    for key in ("train_loss", "lr-AdamW"):
+        plain, het = column(read_metrics(tmp_path / "plain"), key), column(read_metrics(tmp_path / "hetero"), key)
+        assert plain and [s for s, _ in plain] == [s for s, _ in het], key
+        assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
     if at_step == 4:
         assert max_param_diff(reference, resumed_hetero) < TOL
 

@@ -11,26 +11,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 from lightning.pytorch.callbacks import LearningRateMonitor
 
-from tests.conftest import hetero, max_param_diff, trainer
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, column, read_metrics, regression_data
 
 TOL = 1e-10
 STEPS = 8
 
 
-def fit(strategy: Any, log_dir: Path, model_kwargs: dict | None = None, **trainer_kwargs: Any) -> tuple[Net, list]:
+def fit(
+    strategy: Any, log_dir: Path, model_kwargs: dict | None = None, callbacks: list | None = None, **trainer_kwargs: Any
+) -> tuple[Net, list]:
     model = Net(**(model_kwargs or {}))
-    t = trainer(strategy, log_dir, max_steps=STEPS, callbacks=[LearningRateMonitor("step")], **trainer_kwargs)
+    callbacks = [LearningRateMonitor("step"), *(callbacks or [])]
+    t = trainer(strategy, log_dir, max_steps=STEPS, callbacks=callbacks, **trainer_kwargs)
     t.fit(model, regression_data())
     return model, read_metrics(log_dir)
 
 
-def assert_same_run(tmp_path: Path, strategy: Any, model_kwargs: dict | None = None, **trainer_kwargs: Any) -> None:
-    ref, ref_rows = fit(None, tmp_path / "plain", model_kwargs, **trainer_kwargs)
-    het, het_rows = fit(strategy, tmp_path / "hetero", model_kwargs, **trainer_kwargs)
+def assert_same_run(
+    tmp_path: Path, strategy: Any, model_kwargs: dict | None = None, callbacks: list | None = None, **trainer_kwargs: Any
+) -> None:
+    """Plain and hetero give the same parameters, losses and learning rates, and every hetero rank's
+    copy of a parameter is identical to every other's after every step."""
+    ref, ref_rows = fit(None, tmp_path / "plain", model_kwargs, callbacks, **trainer_kwargs)
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    het, het_rows = fit(strategy, tmp_path / "hetero", model_kwargs, [*(callbacks or []), RecordCopies(copies)], **trainer_kwargs)
+    assert_copies_identical(copies)
     assert max_param_diff(ref, het) < TOL
     for key in ("train_loss", next(k for k in ref_rows[0] if k.startswith("lr-"))):
         ref_values, het_values = column(ref_rows, key), column(het_rows, key)
@@ -66,6 +77,29 @@ def test_everything_at_once(tmp_path: Path) -> None:
     strategy = hetero(stages=["cpu", "cpu"], schedule="GPipe", cpu_fraction=0.3, micro_batches=3)
     kwargs = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
     assert_same_run(tmp_path, strategy, {"optimizer": "sgd"}, **kwargs)
+
+
+def test_stages_without_parameters_with_clipping(tmp_path: Path) -> None:
+    # Six stages of one block each: the Tanh and Identity stages hold no parameters at all.
+    strategy = hetero(stages=["cpu"] * 6, schedule="GPipe", cpu_fraction=0.25)
+    assert_same_run(tmp_path, strategy, {"optimizer": "sgd"}, gradient_clip_val=0.05)
+
+
+class Unfreeze(L.Callback):
+    """Freezes the first block at the start, unfreezes it after a few steps (as BackboneFinetuning does)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.layers[0].requires_grad_(False)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 3:
+            pl_module.layers[0].requires_grad_(True)
+
+
+@pytest.mark.parametrize("num_stages", [2, 6])  # with 6, the first stage is the frozen block alone
+def test_frozen_then_unfrozen_layers(tmp_path: Path, num_stages: int) -> None:
+    strategy = hetero(stages=["cpu"] * num_stages, cpu_fraction=0.25)
+    assert_same_run(tmp_path, strategy, {"optimizer": "sgd"}, [Unfreeze()], gradient_clip_val=0.05)
 
 
 @pytest.mark.parametrize("cpu_workers,cpu_fraction", [(0, 0.0), (2, 0.5), (2, 1.0)])

@@ -122,3 +122,37 @@ def test_batches_must_be_inputs_and_targets() -> None:
     loader = DataLoader(TensorDataset(torch.randn(12, 6), torch.randn(12, 3), torch.randn(12)), batch_size=4)
     with pytest.raises(ProcessRaisedException, match=re.escape("expects every batch to be a pair `(inputs, targets)`")):
         trainer(hetero(cpu_fraction=0.0), max_steps=1).fit(Net(), loader)
+
+
+class ExtraLoss(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return self.pipeline_loss(out, y) + 0.1 * out.abs().mean()
+
+
+class WithLBFGS(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters())
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        (ExtraLoss(), "`training_step` must return exactly that loss"),
+        (WithLBFGS(), "LBFGS re-evaluates the loss inside `optimizer.step`"),
+    ],
+    ids=["loss-other-than-pipeline_loss", "lbfgs"],
+)
+def test_errors_inside_the_run_end_it_with_the_cause_and_the_rank(model: L.LightningModule, message: str) -> None:
+    with pytest.raises(ProcessRaisedException, match=re.escape(message)) as error:
+        fit(model, hetero(cpu_fraction=0.5))
+    assert "[hetero] raised on global rank" in str(error.value)
+    if isinstance(model, ExtraLoss):  # found by the last stage: global rank 2 of 1 CPU worker + 2 stages
+        assert "raised on global rank 2 (stage1" in str(error.value)
+
+
+def test_shuffled_evaluation_data_is_an_error() -> None:
+    val = DataLoader(regression_data().dataset, batch_size=4, shuffle=True)
+    with pytest.raises(ProcessRaisedException, match=re.escape("The val dataloader shuffles with the global random")):
+        trainer(hetero(), max_steps=1).fit(Net(), regression_data(), val)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from tests.conftest import hetero, max_param_diff, trainer
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
 
 TOL = 1e-10
@@ -26,10 +26,17 @@ def reference() -> dict:
     return model.state_dict()
 
 
-def test_spawn(reference: dict) -> None:
+@pytest.mark.parametrize("start_method,precision", [("spawn", "32-true"), ("forkserver", "32-true")])
+def test_spawned_processes_own_their_parameters(tmp_path: Path, start_method: str, precision: str) -> None:
+    """spawn/forkserver children receive the model's tensors in shared memory; each must copy them."""
+    plain = Net()
+    trainer(None, max_steps=8, precision=precision).fit(plain, regression_data())
     model = Net()
-    trainer(hetero(cpu_fraction=0.5, start_method="spawn"), max_steps=8).fit(model, regression_data())
-    assert max_param_diff(reference, model) < TOL
+    strategy = hetero(cpu_fraction=0.5, start_method=start_method)
+    t = trainer(strategy, max_steps=8, precision=precision, callbacks=[RecordCopies(tmp_path)])
+    t.fit(model, regression_data())
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < (TOL if precision == "64-true" else 1e-5)
 
 
 def clean_env() -> dict[str, str]:
@@ -84,6 +91,25 @@ def test_external_processes(tmp_path: Path, reference: dict, launch, environment
     launch(tmp_path)
     assert (tmp_path / "environment.txt").read_text() == environment
     assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+
+
+def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path) -> None:
+    """Two hetero groups (torchrun nodes on this machine) are data-parallel replicas: they train as
+    DDP does with one process per node, on the same per-node batches."""
+    ddp = Net().double()  # the fork launcher loads the trained float64 weights into this copy
+    t = trainer("ddp_fork", accelerator="cpu", devices=2, max_steps=6)
+    t.fit(ddp, regression_data(n=48))
+    port = str(find_free_network_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3"]
+    torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2"]
+    nodes = [subprocess.Popen([*torchrun, f"--node-rank={n}", *script], env=clean_env()) for n in range(2)]
+    assert [node.wait(timeout=240) for node in nodes] == [0, 0]
+    assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
+    held = [torch.load(tmp_path / f"rank{r}.pt") for r in range(6)]
+    for rank in held[1:]:
+        assert max_param_diff({k: held[0][k] for k in rank}, rank) == 0  # every copy on both nodes
+    assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
 
 
 def test_processes_that_build_their_own_model_start_from_rank_zero(tmp_path: Path) -> None:

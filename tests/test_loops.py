@@ -11,8 +11,19 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-from tests.conftest import hetero, max_param_diff, trainer
-from tests.models import Classifier, Net, classification_data, column, read_metrics, regression_data
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.models import (
+    Classifier,
+    LazyNet,
+    Net,
+    Predictor,
+    classification_data,
+    column,
+    read_metrics,
+    regression_data,
+)
 
 TOL = 1e-10
 
@@ -50,7 +61,7 @@ def test_torchmetrics_see_every_sample_once(tmp_path: Path) -> None:
     # A step's accuracy is a float32 metric value combined over the workers (one rounding in
     # float32); epoch accuracies come from the summed metric states and are exact.
     tolerance = {"train_acc_step": 1e-6}
-    for key in ("train_acc_step", "train_acc_epoch", "val_acc", "val_loss", "train_loss"):
+    for key in ("train_acc_step", "train_acc_epoch", "val_acc", "val_loss", "train_loss", "train_loss_sized"):
         plain, het = column(rows["plain"], key), column(rows["hetero"], key)
         assert plain and [s for s, _ in plain] == [s for s, _ in het], key
         assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < tolerance.get(key, TOL), key
@@ -97,8 +108,39 @@ def test_every_rank_sees_the_same_callback_metrics(tmp_path: Path, cpu_fraction:
     assert {"train_loss", "train_acc_step", "val_acc", "val_loss"} <= set(seen[0][-1])
 
 
-def test_progress_bar_and_max_epochs(tmp_path: Path) -> None:
+def test_progress_bar_and_max_epochs(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     t = trainer(hetero(), tmp_path, max_epochs=2, enable_progress_bar=True)
     t.fit(Net(), regression_data())
     assert max(int(r["epoch"]) for r in read_metrics(tmp_path)) == 1
     assert max(int(r["step"]) for r in read_metrics(tmp_path)) == 7
+    bar = capfd.readouterr().out  # rank 0 draws the bar (Lightning writes it to stdout)
+    assert "Epoch 1: 100%" in bar and "train_loss=" in bar
+
+
+def test_predictions_keep_their_structure_and_order() -> None:
+    outputs = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(stages=["cpu"] * 3, cpu_fraction=0.4))):
+        outputs[name] = trainer(strategy).predict(Predictor(), regression_data(n=26, seed=8))
+    assert [len(b["labels"]) for b in outputs["hetero"]] == [12, 12, 2]
+    for plain, het in zip(outputs["plain"], outputs["hetero"]):
+        assert het["labels"] == plain["labels"] and torch.allclose(het["out"], plain["out"], atol=TOL, rtol=0)
+
+
+def test_shuffled_training_data(tmp_path: Path) -> None:
+    """A shuffling loader without its own generator: every rank must still see the same batches."""
+    data = regression_data()
+    shuffled = DataLoader(data.dataset, batch_size=12, shuffle=True)
+    # The same order for the single process: the seeded sampler the strategy puts in its place.
+    ordered = DataLoader(data.dataset, batch_size=12, sampler=DistributedSampler(data.dataset, 1, 0, shuffle=True))
+    plain, het = Net(), Net()
+    trainer(None, max_epochs=2).fit(plain, ordered)
+    trainer(hetero(cpu_fraction=0.5), max_epochs=2, callbacks=[RecordCopies(tmp_path)]).fit(het, shuffled)
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, het) < TOL
+
+
+def test_layers_built_in_configure_model() -> None:
+    plain, het = LazyNet(), LazyNet()
+    trainer(None, max_steps=8).fit(plain, regression_data())
+    trainer(hetero(stages=["cpu"] * 3, cpu_fraction=0.5), max_steps=8).fit(het, regression_data())
+    assert max_param_diff(plain, het) < TOL
