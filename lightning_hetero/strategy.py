@@ -9,6 +9,7 @@ result is the same model a single process would train on the same batches.
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from collections.abc import Generator, Mapping
@@ -302,6 +303,10 @@ class HeteroStrategy(ParallelStrategy):
                 f" --nproc-per-node={self.num_processes}`)."
             )
         _init_dist_connection(self.cluster_environment, world_backend(self.topology), timeout=self._timeout)
+        # A process that exits with gloo groups alive can abort in interpreter finalization
+        # ("terminate called without an active exception"); take them down while Python is whole.
+        atexit.unregister(_destroy_process_groups)
+        atexit.register(_destroy_process_groups)
         self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
         self._control = self._groups.control
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -631,3 +636,8 @@ def _check_optimizers(optimizers: list[Optimizer]) -> None:
                 "LBFGS re-evaluates the loss inside `optimizer.step` and treats all parameters as one vector,"
                 " which the hetero strategy cannot split between stages. Use a first-order optimizer."
             )
+
+
+def _destroy_process_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
