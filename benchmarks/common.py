@@ -45,8 +45,9 @@ class StepTimer(L.Callback):
 class MLP(PipelineModule, L.LightningModule):
     """`depth` blocks of Linear+Tanh, a regression head; big enough that compute dominates a step."""
 
-    def __init__(self, width: int = 512, depth: int = 6, features: int = 64) -> None:
+    def __init__(self, width: int = 512, depth: int = 6, features: int = 64, fused_adam: bool = False) -> None:
         super().__init__()
+        self.fused_adam = fused_adam
         torch.manual_seed(0)
         blocks: list[nn.Module] = [nn.Linear(features, width)]
         for _ in range(depth - 2):
@@ -61,7 +62,7 @@ class MLP(PipelineModule, L.LightningModule):
         return nn.functional.mse_loss(output, target)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adam or None)
 
 
 def synthetic_loader(samples: int, batch_size: int, features: int = 64) -> DataLoader:
@@ -70,14 +71,16 @@ def synthetic_loader(samples: int, batch_size: int, features: int = 64) -> DataL
     return DataLoader(data, batch_size=batch_size, drop_last=True)
 
 
-def step_times(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int) -> list[float]:
+def step_times(
+    strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, callbacks: list | None = None
+) -> list[float]:
     """Train ``steps`` steps and return the per-step wall times after warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         kwargs: dict[str, Any] = {"strategy": strategy} if strategy is not None else {"accelerator": "cpu", "devices": 1}
         trainer = L.Trainer(
             max_steps=steps,
-            callbacks=[StepTimer(out)],
+            callbacks=[StepTimer(out), *(callbacks or [])],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

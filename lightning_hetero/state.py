@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
-from torch.optim import Optimizer
 
-__all__ = ["gather_module_state", "gather_optimizer_state", "owned_optimizer_state", "move_materialized"]
+__all__ = ["gather_module_state", "gather_optimizer_state", "move_materialized"]
 
 
 def move_materialized(module: nn.Module, device: torch.device) -> None:
@@ -38,9 +37,9 @@ def gather_module_state(module: nn.Module, group: dist.ProcessGroup) -> dict[str
     return full
 
 
-def gather_optimizer_state(optimizer: Optimizer, group: dist.ProcessGroup) -> dict[str, Any]:
-    """The full optimizer ``state_dict`` on rank 0 (empty elsewhere): each rank holds state for its own parameters."""
-    local = optimizer.state_dict()
+def gather_optimizer_state(local: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """The full optimizer ``state_dict`` on rank 0 (empty elsewhere), from each rank's ``local``
+    one, which holds the state of that rank's own parameters."""
     parts = _gather(move_data_to_device(local["state"], "cpu"), group)
     if parts is None:
         return {}
@@ -48,13 +47,6 @@ def gather_optimizer_state(optimizer: Optimizer, group: dist.ProcessGroup) -> di
     for part in parts:
         state.update(part)
     return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
-
-
-def owned_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` without the entries of parameters that live on the meta device on this rank."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {i: s for i, s in state_dict["state"].items() if not params[int(i)].is_meta}
-    return {"state": state, "param_groups": state_dict["param_groups"]}
 
 
 def _gather(obj: Any, group: dist.ProcessGroup) -> list[Any] | None:

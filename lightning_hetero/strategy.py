@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import warnings
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -36,11 +36,12 @@ from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import DoublePrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -56,8 +57,17 @@ from lightning_hetero.module import check_model_contract
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
 from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, merge_outputs, relog
 from lightning_hetero.shares import Shares, split_batch
-from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized, owned_optimizer_state
-from lightning_hetero.sync import GradientSync, add_grads, global_grad_norm
+from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized
+from lightning_hetero.offload import (
+    BucketStep,
+    DeviceStep,
+    OffloadStep,
+    load_with_offloaded_state,
+    offload_for_memory,
+    param_index,
+    with_offloaded_state,
+)
+from lightning_hetero.sync import Bucket, GradientSync, OverlappedSync, add_grads, global_grad_norm, make_buckets
 from lightning_hetero.topology import (
     ProcessGroups,
     Role,
@@ -68,11 +78,11 @@ from lightning_hetero.topology import (
     threads_for,
     world_backend,
 )
-from lightning_hetero.workers import CpuWorker, StageWorker, batch_size_of
+from lightning_hetero.workers import CpuWorker, GradPolicy, StageWorker, batch_size_of
 
 __all__ = ["HeteroStrategy"]
 
-_PRECISIONS = (Precision, DoublePrecision)
+_PRECISIONS = (Precision, DoublePrecision, MixedPrecision, HalfPrecision)
 
 
 class HeteroStrategy(ParallelStrategy):
@@ -80,6 +90,8 @@ class HeteroStrategy(ParallelStrategy):
 
     Args:
         mode: ``"coarse"``: each worker trains its share of every batch, then gradients are summed.
+            ``"fine"``: as coarse, but each bucket of gradients is summed and stepped while the
+            backward is still busy with earlier layers, optionally on the CPU (``offload``).
         stages: ``"auto"`` (one stage per GPU; two emulated CPU stages where there is no GPU), a
             number of stages, or a list of devices such as ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
         cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only).
@@ -94,13 +106,19 @@ class HeteroStrategy(ParallelStrategy):
             ``"fork"``, ``"spawn"`` and ``"forkserver"`` start children of the main process.
             ``"auto"`` is ``"fork"`` in a notebook and ``"popen"`` otherwise (see ``launcher.py``).
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
+        offload: fine mode: which buckets' optimizer steps run on the CPU, with fp32 master weights
+            and optimizer state in CPU memory: ``"none"``, ``"all"``, a list of bucket indices (0 is
+            the last layers' bucket), or ``"auto"``: on GPU stages, the buckets the backward finishes
+            first until the optimizer state left on the GPU fits in a quarter of its memory.
+        bucket_size_mb: fine mode: the parameter size that closes a bucket (a bucket holds whole
+            layers of one stage).
     """
 
     strategy_name = "hetero"
 
     def __init__(
         self,
-        mode: Literal["coarse"] = "coarse",
+        mode: Literal["coarse", "fine"] = "coarse",
         stages: StagesArg = "auto",
         cpu_workers: int = 1,
         cpu_threads: Optional[int] = None,
@@ -109,6 +127,8 @@ class HeteroStrategy(ParallelStrategy):
         cpu_fraction: Union[float, Literal["auto"]] = "auto",
         start_method: Literal["auto", "popen", "fork", "spawn", "forkserver"] = "auto",
         timeout: Union[timedelta, float] = timedelta(minutes=5),
+        offload: Union[Literal["auto", "none", "all"], Sequence[int]] = "auto",
+        bucket_size_mb: float = 25.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -120,8 +140,11 @@ class HeteroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if mode != "coarse":
-            raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse'.")
+        if mode not in ("coarse", "fine"):
+            raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse' or 'fine'.")
+        _check_offload(offload, mode)
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
+            raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
         _check_int("cpu_workers", cpu_workers, minimum=0)
         _check_int("micro_batches", micro_batches, minimum=1)
         if cpu_threads is not None:
@@ -151,6 +174,9 @@ class HeteroStrategy(ParallelStrategy):
         self._layers: Optional[list[nn.Module]] = None
         self._bounds: list[tuple[int, int]] = []
         self._default_precision: Optional[Precision] = None
+        self._offload = offload if isinstance(offload, str) else sorted(set(offload))
+        self._bucket_bytes = int(bucket_size_mb * 2**20)
+        self._overlap: Optional[OverlappedSync] = None
 
     # ------------------------------------------------------------------ layout
 
@@ -240,19 +266,19 @@ class HeteroStrategy(ParallelStrategy):
             return self._precision_plugin
         if self._default_precision is None:
             self._default_precision = Precision()
-            self._default_precision.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            _clip_with(self._default_precision, self)
         return self._default_precision
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         if plugin is not None:
-            if type(plugin) not in _PRECISIONS:
+            if type(plugin) not in _PRECISIONS or getattr(plugin, "precision", None) == "16-mixed":
                 raise ValueError(
-                    f"The hetero strategy does not support {type(plugin).__name__} yet; use"
-                    " `precision='32-true'` or `precision='64-true'`."
+                    f"The hetero strategy does not support {getattr(plugin, 'precision', type(plugin).__name__)!r}"
+                    " precision: float16 mixed precision needs a loss scale agreed between all workers. Use"
+                    " '32-true', '64-true', 'bf16-mixed', 'bf16-true' or '16-true'."
                 )
-            # Gradient clipping by norm needs the norm over all stages, not this rank's slice.
-            plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+            _clip_with(plugin, self)
         self._precision_plugin = plugin
 
     @property
@@ -287,7 +313,14 @@ class HeteroStrategy(ParallelStrategy):
     def check_model(self, model: LightningModule) -> list[nn.Module]:
         """Check the model contract and that the layers fill the stages; raise before any process starts."""
         layers = check_model_contract(model)
-        partition_layers(layers, len(self._stage_devices))
+        bounds = partition_layers(layers, len(self._stage_devices))
+        if not isinstance(self._offload, str):
+            count = len(make_buckets(layers, bounds, self._bucket_bytes))
+            if self._offload and self._offload[-1] >= count:
+                raise ValueError(
+                    f"`offload={self._offload}` names bucket {self._offload[-1]}, but the model has {count} buckets"
+                    f" (0 to {count - 1}) at `bucket_size_mb={self._bucket_bytes / 2**20:g}`."
+                )
         return layers
 
     @override
@@ -311,6 +344,9 @@ class HeteroStrategy(ParallelStrategy):
         self._control = self._groups.control
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(threads_for(self.role, self.topology, cores, self._cpu_threads))
+        if isinstance(self.precision_plugin, MixedPrecision):
+            # Lightning picks one autocast device for the run; each hetero process computes on its own.
+            self.precision_plugin.device = self.root_device.type
         # Logged values are combined over the workers before Lightning sees them (`results.py`),
         # so its advice to pass `sync_dist=True` does not apply.
         warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
@@ -336,6 +372,9 @@ class HeteroStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             _check_optimizers(self.optimizers)
             self._grad_sync = self._build_grad_sync()
+            if self.mode == "fine":
+                _check_fine_mode(module, self.optimizers)
+                self._overlap = self._build_overlap()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -379,6 +418,46 @@ class HeteroStrategy(ParallelStrategy):
             buckets = [(self._stage_params(self.role.index), self._groups.sync[self.role.index])]
         return GradientSync(buckets, self._groups.replica)
 
+    def _build_overlap(self) -> OverlappedSync:
+        """This rank's buckets (all of them on a CPU worker, its own on a stage), each with the step
+        that applies the user's optimizer to it: on the device, or offloaded to the CPU."""
+        assert self._layers is not None and self._groups is not None
+        buckets = make_buckets(self._layers, self._bounds, self._bucket_bytes)
+        params = [[p for layer in self._layers[slice(*b.layers)] for p in layer.parameters()] for b in buckets]
+        offloaded = self._offloaded_buckets(buckets, params)
+        optimizer = self.optimizers[0]
+        index = param_index(optimizer)
+        entries = []
+        for bucket in buckets:
+            if self.role.is_cpu_worker or bucket.stage == self.role.index:
+                kind = OffloadStep if bucket.index in offloaded else DeviceStep
+                step = kind(optimizer, params[bucket.index], index)
+                entries.append((params[bucket.index], self._groups.sync[bucket.stage], step))
+        return OverlappedSync(entries, self._groups.replica, norm=lambda: self._global_norm(optimizer))
+
+    def _offloaded_buckets(self, buckets: list[Bucket], params: list[list[nn.Parameter]]) -> set[int]:
+        if self._offload == "none":
+            return set()
+        if self._offload == "all":
+            return {b.index for b in buckets}
+        if not isinstance(self._offload, str):
+            return set(self._offload)
+        # "auto": each GPU stage decides for its buckets from its device's memory, and every rank
+        # learns the union, so all agree.
+        mine: list[int] = []
+        if self.role.is_stage:
+            own = [b for b in buckets if b.stage == self.role.index]
+            chosen = offload_for_memory([params[b.index] for b in own], self.root_device)
+            mine = [own[k].index for k in chosen]
+        decisions: list[Any] = [None] * dist.get_world_size(self._control)
+        dist.all_gather_object(decisions, mine, group=self._control)
+        return {k for decision in decisions for k in decision}
+
+    @property
+    def offload_steps(self) -> list[BucketStep]:
+        """This rank's bucket steps in fine mode (none in coarse mode)."""
+        return self._overlap.steps if self._overlap is not None else []
+
     @override
     def model_to_device(self) -> None:
         # `setup` places each part of the model on its rank's device (see `_place_model`).
@@ -398,9 +477,16 @@ class HeteroStrategy(ParallelStrategy):
         assert self._worker is not None
         shares = self.shares(batch_size_of(batch))
         accumulate = trainer.accumulate_grad_batches
+        # Fine mode's last micro-batch of an optimizer step: sum and step bucket by bucket during the backward.
+        overlap = self._overlap if self._sync_gradients else None
         first_of_window = batch_idx % accumulate == 0 and not _overrides(module, "optimizer_zero_grad")
+        grads: GradPolicy = "accumulate" if overlap is not None else "drop" if first_of_window else "keep"
         with self.precision_plugin.train_step_context():
-            report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, not first_of_window)
+            if overlap is not None:
+                overlap.begin(self._worker.expected_grads(shares), *_clipping(trainer))
+            report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, grads)
+            if overlap is not None:
+                overlap.finish()
             reports = self._finish_step(report)
         combined = combine_loss(reports)
         assert combined is not None
@@ -424,7 +510,7 @@ class HeteroStrategy(ParallelStrategy):
         if self._worker.fresh_grads is not None:
             add_grads(self._worker.params, self._worker.fresh_grads)
             self._worker.fresh_grads = None
-        if self._sync_gradients:
+        if self._sync_gradients and self._overlap is None:
             self._grad_sync.all_reduce()
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -440,12 +526,23 @@ class HeteroStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        own = [p.grad for p in params] if self.role.is_stage else None
-        topo = self.topology
-        # Every rank joins the norm's all-reduce, also one whose stage has no gradients at all.
-        total = global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
+        total = self._global_norm(optimizer)
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].grad.dtype))
+
+    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:  # fine mode has stepped (and cleared) every gradient already
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+
+    def _global_norm(self, optimizer: Optimizer) -> Tensor:
+        """The norm of all of the model's gradients. Every rank joins its all-reduce, also one whose
+        stage has no gradients at all."""
+        own = None
+        if self.role.is_stage:
+            own = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        topo = self.topology
+        return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -519,9 +616,11 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        state = with_offloaded_state(optimizer, self.offload_steps)
         if self._rank_zero_has_everything:
-            return super().optimizer_state(optimizer)
-        return gather_optimizer_state(getattr(optimizer, "_optimizer", optimizer), self._control)
+            return state
+        return gather_optimizer_state(state, self._control)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -534,10 +633,8 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.role.is_cpu_worker:
-            return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(owned_optimizer_state(optimizer, state))
+            load_with_offloaded_state(optimizer, state, self.offload_steps)
             _optimizers_to_device([optimizer], self.root_device)
 
     @override
@@ -573,6 +670,9 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         module = self.lightning_module
         if module is not None:
@@ -592,6 +692,12 @@ class HeteroStrategy(ParallelStrategy):
             cls,
             description="CPU workers and pipelined stages train every batch together (coarse-grained)",
             mode="coarse",
+        )
+        strategy_registry.register(
+            f"{cls.strategy_name}_fine",
+            cls,
+            description="hetero, with gradient sync and optimizer steps overlapped with the backward (fine-grained)",
+            mode="fine",
         )
 
 
@@ -641,3 +747,44 @@ def _check_optimizers(optimizers: list[Optimizer]) -> None:
 def _destroy_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _check_offload(offload: Any, mode: str) -> None:
+    if isinstance(offload, str):
+        if offload not in ("auto", "none", "all"):
+            raise ValueError(f"`offload={offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices.")
+        if offload == "all" and mode != "fine":
+            raise ValueError("`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`.")
+        return
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in offload):
+        raise ValueError(f"`offload={offload!r}` must list bucket indices (integers >= 0).")
+    if offload and mode != "fine":
+        raise ValueError("`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`.")
+
+
+def _check_fine_mode(module: LightningModule, optimizers: list[Optimizer]) -> None:
+    if _overrides(module, "configure_gradient_clipping"):
+        raise ValueError(
+            f"`{type(module).__name__}` overrides `configure_gradient_clipping`, which fine mode cannot call: it"
+            " clips each bucket as its gradients complete. Use the Trainer's `gradient_clip_val` and"
+            " `gradient_clip_algorithm`, or `mode='coarse'`."
+        )
+    if len(optimizers) != 1:
+        raise ValueError(f"Fine mode steps one optimizer bucket by bucket; `configure_optimizers` gave {len(optimizers)}.")
+
+
+def _clipping(trainer: "pl.Trainer") -> tuple[Optional[float], Optional[float]]:
+    """(clip by value, clip by norm) as the Trainer is configured."""
+    value = trainer.gradient_clip_val
+    if not value:
+        return None, None
+    if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        return float(value), None
+    return None, float(value)
+
+
+def _clip_with(plugin: Precision, strategy: "HeteroStrategy") -> None:
+    """Route the precision plugin's gradient clipping through the strategy: clipping by norm needs
+    the norm over all stages, not this rank's slice, and fine mode leaves no gradients to clip."""
+    plugin.clip_grad_by_norm = strategy._clip_grad_by_norm  # type: ignore[method-assign]
+    plugin.clip_grad_by_value = strategy._clip_grad_by_value  # type: ignore[method-assign]

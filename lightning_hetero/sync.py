@@ -6,17 +6,33 @@ gradient of the whole batch, as in one process. For each stage, the stage rank a
 workers sum the gradients of that stage's parameters in one flat buffer (gloo; CUDA gradients go
 through a pinned CPU buffer). Where there are several nodes, each rank then averages with its
 peers on the other nodes.
+
+Coarse mode (``GradientSync``) sums everything after the backward. Fine mode (``OverlappedSync``)
+sums and steps bucket by bucket while the backward is still running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["GradientSync", "set_grads_aside", "restore_grads", "add_grads", "global_grad_norm"]
+__all__ = [
+    "GradientSync",
+    "OverlappedSync",
+    "Bucket",
+    "make_buckets",
+    "set_grads_aside",
+    "restore_grads",
+    "add_grads",
+    "global_grad_norm",
+]
 
 
 def set_grads_aside(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -58,7 +74,9 @@ class _FlatBucket:
         self.divisor = dist.get_world_size(group) if average else 1
         self.sizes = [p.numel() for p in params]
         pin = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        self.buffer = torch.empty(sum(self.sizes) + len(params), dtype=params[0].dtype, pin_memory=pin)
+        # Half-precision gradients are summed in float32, then rounded once.
+        dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
+        self.buffer = torch.empty(sum(self.sizes) + len(params), dtype=dtype, pin_memory=pin)
 
     def pack(self) -> Tensor:
         offset = 0
@@ -140,3 +158,129 @@ def global_grad_norm(
         partials[stage_index] = torch.nn.utils.get_total_norm(stage_grads, 2.0).double().cpu() ** 2
     dist.all_reduce(partials, group=group)
     return (partials / num_nodes).sum().sqrt()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Consecutive layers of one stage whose gradients are summed and stepped together (fine mode)."""
+
+    index: int
+    """Position in backward order: bucket 0 holds the last layers, which the backward finishes first."""
+    stage: int
+    layers: tuple[int, int]
+    """``[start, stop)`` into ``pipeline_layers()``."""
+
+
+def make_buckets(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], bucket_bytes: int) -> list[Bucket]:
+    """Cut each stage's layers, from its last layer back, into buckets of at least ``bucket_bytes``
+    of parameters (the stage's first bucket takes what remains); bucket 0 is the model's last."""
+    buckets: list[Bucket] = []
+    for stage in reversed(range(len(bounds))):
+        start, stop = bounds[stage]
+        top, size = stop, 0
+        for i in range(stop - 1, start - 1, -1):
+            size += sum(p.numel() * p.element_size() for p in layers[i].parameters())
+            if size >= bucket_bytes and i > start:
+                buckets.append(Bucket(len(buckets), stage, (i, top)))
+                top, size = i, 0
+        buckets.append(Bucket(len(buckets), stage, (start, top)))
+    return buckets
+
+
+class OverlappedSync:
+    """Fine mode: each bucket is summed and stepped as soon as the backward is done with it.
+
+    A hook on every parameter counts the gradients it receives during the final backward of an
+    optimizer step (one per micro-batch on a stage, one on a CPU worker). When all of a bucket's
+    parameters are complete, the bucket is handed to a worker thread, which sums it over the sync
+    group (and averages over nodes), clips it by value if asked, and runs its step, while the
+    backward goes on with earlier layers. Buckets are handed over strictly in bucket order, so
+    every rank issues its collectives in the same order; a bucket that never completes (a
+    parameter unused in this step) goes at the end of the backward.
+
+    Clipping by norm needs every gradient before any step: then the thread only sums, and the
+    steps run after the backward, once the global norm is known.
+    """
+
+    def __init__(
+        self,
+        entries: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, Any]],
+        replica_group: dist.ProcessGroup | None,
+        norm: Callable[[], Tensor],
+    ) -> None:
+        """``entries`` are this rank's buckets in bucket order: (parameters, sync group, step)."""
+        self._params = [list(params) for params, _, _ in entries]
+        self._sums = [_FlatBucket(params, group) if group is not None and params else None for params, group, _ in entries]
+        self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
+        self._steps = [step for _, _, step in entries]
+        self._norm = norm
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-buckets")
+        self.handed_early = 0
+        """Buckets handed over while the last backward was still running (the rest went after it)."""
+        self._hooked: set[nn.Parameter] = set()
+        self._armed = False
+
+    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None) -> None:
+        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients."""
+        for k, params in enumerate(self._params):
+            for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
+                if p.requires_grad and p not in self._hooked:
+                    p.register_post_accumulate_grad_hook(partial(self._arrived, k))
+                    self._hooked.add(p)
+        self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
+        self._counts: dict[nn.Parameter, int] = {}
+        self._missing = [sum(p.requires_grad for p in params) for params in self._params]
+        self._next = 0
+        self._futures: list[Future] = []
+        self._armed = True
+        self._hand_over()  # buckets with nothing to wait for (no trainable parameters)
+
+    def finish(self) -> None:
+        """Hand over the buckets still waiting, wait for all of them, and (when clipping by norm) step."""
+        self._armed = False
+        self.handed_early = self._next
+        self._hand_over(everything=True)
+        for future in self._futures:
+            future.result()
+        if self._clip_norm is not None:
+            grads = [p for params in self._params for p in params if p.grad is not None]
+            total = self._norm()
+            if grads:
+                torch.nn.utils.clip_grads_with_norm_(grads, self._clip_norm, total.to(grads[0].dtype))
+            for step in self._steps:
+                step.step()
+
+    @property
+    def steps(self) -> list[Any]:
+        """The step of each of this rank's buckets, in bucket order."""
+        return list(self._steps)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _arrived(self, k: int, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        count = self._counts.get(param, 0) + 1
+        self._counts[param] = count
+        if count == self._arrivals:
+            self._missing[k] -= 1
+            self._hand_over()
+
+    def _hand_over(self, everything: bool = False) -> None:
+        """Give the thread the next buckets in order, as long as they are complete (or all of them)."""
+        while self._next < len(self._steps) and (everything or self._missing[self._next] == 0):
+            self._futures.append(self._executor.submit(self._sync_and_step, self._next))
+            self._next += 1
+
+    def _sync_and_step(self, k: int) -> None:
+        for flat in (self._sums[k], self._nodes[k]):
+            if flat is not None:
+                dist.all_reduce(flat.pack(), group=flat.group)
+                flat.unpack()
+        if self._clip_norm is not None:
+            return
+        grads = [p for p in self._params[k] if p.grad is not None]
+        if self._clip_value is not None and grads:
+            torch.nn.utils.clip_grad_value_(grads, self._clip_value)
+        self._steps[k].step()

@@ -7,15 +7,15 @@ returning the pipeline's outputs, so that the loss and everything the step logs 
 the pipeline's share by the user's own code.
 
 Both do their forward and backward inside ``training_step`` (so every rank knows the step's loss
-when ``training_step`` returns), and set the new gradients aside: Lightning zeroes gradients
-*after* ``training_step``, and the strategy's ``backward`` adds them back.
+when ``training_step`` returns). Lightning zeroes gradients *after* ``training_step``, so the new
+gradients are set aside and the strategy's ``backward`` adds them back (see ``_Worker._train``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -28,7 +28,9 @@ from lightning_hetero.results import LogCapture, WorkerReport
 from lightning_hetero.shares import Shares
 from lightning_hetero.sync import restore_grads, set_grads_aside
 
-__all__ = ["CpuWorker", "StageWorker", "slice_batch", "batch_size_of"]
+__all__ = ["CpuWorker", "StageWorker", "GradPolicy", "slice_batch", "batch_size_of"]
+
+GradPolicy = Literal["keep", "drop", "accumulate"]
 
 
 def batch_size_of(batch: Any) -> int:
@@ -71,14 +73,20 @@ class _Worker:
         self.params = list(params)
         self.fresh_grads: list[Tensor | None] | None = None
 
-    def _train(self, compute: Callable[[], Any], keep_old_grads: bool) -> Any:
-        """Run ``compute()`` (forward and backward) with this step's gradients kept apart from older ones.
+    def _train(self, compute: Callable[[], Any], grads: GradPolicy) -> Any:
+        """Run ``compute()`` (forward and backward) under a policy for the gradients already there:
 
-        The older gradients go back in place for Lightning to zero or accumulate into; where
-        Lightning is about to zero them anyway (``keep_old_grads=False``) they are freed first.
+        - ``"keep"``: this step's gradients are set aside and the older ones put back, for Lightning
+          to accumulate into (the strategy's ``backward`` adds the new ones after its ``zero_grad``);
+        - ``"drop"``: the same, but the older ones are freed first, as Lightning is about to zero them;
+        - ``"accumulate"``: the backward adds straight onto them (fine mode's last micro-batch of an
+          optimizer step, whose gradients the overlapped sync consumes while the backward runs).
         """
+        if grads == "accumulate":
+            self.fresh_grads = None
+            return compute()
         old = set_grads_aside(self.params)
-        if not keep_old_grads:
+        if grads == "drop":
             old = None
         result = compute()
         self.fresh_grads = set_grads_aside(self.params)
@@ -103,12 +111,17 @@ class CpuWorker(_Worker):
         super().__init__(module, params)
         self.index = index
 
+    def expected_grads(self, shares: Shares) -> int:
+        """Gradients each parameter receives in this step's backward (one per backward pass)."""
+        start, stop = shares.cpu[self.index]
+        return 1 if stop > start else 0
+
     def train_step(
-        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, keep_old_grads: bool
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy
     ) -> tuple[WorkerReport, Any]:
         start, stop = shares.cpu[self.index]
         if start == stop:
-            self._train(lambda: None, keep_old_grads)
+            self._train(lambda: None, grads)
             return WorkerReport(), None
 
         def compute() -> tuple[WorkerReport, Any]:
@@ -118,7 +131,7 @@ class CpuWorker(_Worker):
             self.module.backward(_loss_of(output, "training_step") * weight)
             return report, output
 
-        return self._train(compute, keep_old_grads)
+        return self._train(compute, grads)
 
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = shares.cpu[self.index]
@@ -134,23 +147,27 @@ class StageWorker(_Worker):
         super().__init__(module, params)
         self.pipeline = pipeline
 
+    def expected_grads(self, shares: Shares) -> int:
+        """Gradients each parameter receives in this step's backward: one per micro-batch."""
+        return shares.micro_batches if shares.pipeline_size else 0
+
     def train_step(
-        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, keep_old_grads: bool
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy
     ) -> tuple[WorkerReport, Any]:
         start, stop = shares.pipeline
         if start == stop:
-            self._train(lambda: None, keep_old_grads)
+            self._train(lambda: None, grads)
             return WorkerReport(), None
         share = slice_batch(batch, start, stop)
         inputs, targets = split_inputs_targets(share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
         outputs, pipeline_loss = self._train(
-            lambda: self.pipeline.train_step(inputs, targets, shares.micro_batches, scale), keep_old_grads
+            lambda: self.pipeline.train_step(inputs, targets, shares.micro_batches, scale), grads
         )
         if not self.pipeline.is_last:
             return WorkerReport(), None
         report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
-        _check_same_loss(type(self.module).__name__, report.loss, pipeline_loss)
+        _check_same_loss(type(self.module).__name__, report, pipeline_loss)
         return report, output
 
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
@@ -187,10 +204,13 @@ class StageWorker(_Worker):
         return report, output
 
 
-def _check_same_loss(model: str, step_loss: float | None, pipeline_loss: float) -> None:
+def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> None:
     """The stages train on ``pipeline_loss``; a ``training_step`` that returns another loss would
-    train the CPU worker's share on something else, so say so instead of training a wrong model."""
-    if step_loss is not None and not math.isclose(step_loss, pipeline_loss, rel_tol=1e-4, abs_tol=1e-6):
+    train the CPU worker's share on something else, so say so instead of training a wrong model.
+    (The two are computed in different orders: micro-batch by micro-batch, and over the share.)"""
+    step_loss = report.loss
+    tolerance = 1e-4 if report.loss_dtype in (torch.float32, torch.float64) else 5e-2
+    if step_loss is not None and not math.isclose(step_loss, pipeline_loss, rel_tol=tolerance, abs_tol=1e-6):
         raise ValueError(
             f"`{model}.training_step` returned a loss of {step_loss:.6g} where `pipeline_loss` gives"
             f" {pipeline_loss:.6g} on the same samples. The pipeline stages train on `pipeline_loss(output,"

@@ -1,0 +1,230 @@
+"""Fine mode: gradient sync and optimizer steps bucket by bucket during the backward, optionally on
+the CPU, train the same model as coarse mode and as one process (float64, 1e-10)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_hetero import HeteroStrategy
+from lightning_hetero.offload import OffloadStep
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.models import Net, regression_data
+
+TOL = 1e-10
+# A bucket per layer with parameters: Net's three Linear layers (4, 2 and 0, with the parameter-free
+# layers above them) are buckets 0, 1 and 2, however many stages hold them.
+TINY_BUCKETS = 1e-5
+
+
+def fine(**kwargs: Any) -> HeteroStrategy:
+    kwargs.setdefault("bucket_size_mb", TINY_BUCKETS)
+    return hetero(mode="fine", **kwargs)
+
+
+def fit(strategy: Any, optimizer: str = "adamw", callbacks: list | None = None, **kwargs: Any) -> Net:
+    model = Net(optimizer=optimizer)
+    kwargs.setdefault("max_steps", 8)
+    trainer(strategy, callbacks=callbacks or [], **kwargs).fit(model, regression_data())
+    return model
+
+
+@pytest.fixture(scope="module")
+def plain() -> Net:
+    return fit(None)
+
+
+@pytest.mark.parametrize("offload", ["none", "all", [0, 2]], ids=["none", "all", "mixed"])
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
+def test_matches_single_process(tmp_path: Path, plain: Net, offload: Any, num_stages: int, cpu_fraction: float) -> None:
+    strategy = fine(stages=["cpu"] * num_stages, cpu_fraction=cpu_fraction, offload=offload)
+    model = fit(strategy, callbacks=[RecordCopies(tmp_path)])
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL
+
+
+def test_matches_coarse_mode() -> None:
+    coarse = fit(hetero(stages=["cpu"] * 3, cpu_fraction=0.4, micro_batches=3, schedule="1F1B"))
+    het = fit(fine(stages=["cpu"] * 3, cpu_fraction=0.4, micro_batches=3, schedule="1F1B", offload=[1, 3]))
+    assert max_param_diff(coarse, het) < TOL
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [
+        {"accumulate_grad_batches": 2},
+        {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
+        {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    ],
+    ids=["accumulate-2", "clip-norm", "clip-value", "accumulate-and-clip"],
+)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_trainer_features_match(tmp_path: Path, trainer_kwargs: dict, optimizer: str) -> None:
+    reference = fit(None, optimizer, **trainer_kwargs)
+    strategy = fine(stages=["cpu"] * 2, cpu_fraction=0.5, offload=[0, 2])
+    model = fit(strategy, optimizer, callbacks=[RecordCopies(tmp_path)], **trainer_kwargs)
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(reference, model) < TOL
+
+
+def test_pipeline_only_with_everything_offloaded(plain: Net) -> None:
+    assert max_param_diff(plain, fit(fine(stages=["cpu"] * 3, cpu_workers=0, offload="all"))) < TOL
+
+
+def test_registered_name() -> None:
+    t = L.Trainer(strategy="hetero_fine", logger=False)
+    assert isinstance(t.strategy, HeteroStrategy) and t.strategy.mode == "fine"
+
+
+class RecordOverlap(L.Callback):
+    """Each rank writes, per step, how many buckets it handed over while its backward still ran,
+    and where the state of every optimizer that holds some lives."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.early = out, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.early.append(trainer.strategy._overlap.handed_early)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        names = {p: n for n, p in pl_module.named_parameters()}
+        user = strategy.optimizers[0]
+        offloaded = [names[p] for s in strategy.offload_steps if isinstance(s, OffloadStep) for p in s.params]
+        engine_devices = {
+            str(t.device)
+            for s in strategy.offload_steps
+            if isinstance(s, OffloadStep)
+            for state in s.optimizer.state.values()
+            for t in state.values()
+        }
+        record = {
+            "early": self.early,
+            "buckets": len(strategy.offload_steps),
+            "offloaded": sorted(offloaded),
+            "user_state": sorted(names[p] for p in user.state if user.state[p]),
+            "engine_devices": sorted(engine_devices),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_buckets_sync_and_step_during_the_backward_and_offloaded_state_stays_on_the_cpu(tmp_path: Path) -> None:
+    strategy = fine(stages=["cpu"] * 2, cpu_fraction=0.5, offload=[0, 2])
+    fit(strategy, callbacks=[RecordOverlap(tmp_path)])
+    cpu, stage0, stage1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    # Stage 0 holds layers 0-1 (bucket 2), stage 1 layers 2-5 (buckets 1 and 0).
+    assert (cpu["buckets"], stage0["buckets"], stage1["buckets"]) == (3, 1, 2)
+    # All but possibly the first layers' bucket go while the backward still runs.
+    for rank in (cpu, stage0, stage1):
+        assert all(early >= rank["buckets"] - 1 for early in rank["early"]), rank["early"]
+    assert stage1["offloaded"] == ["layers.4.bias", "layers.4.weight"]
+    assert stage0["offloaded"] == ["layers.0.bias", "layers.0.weight"]
+    # Memory accounting: no optimizer state of an offloaded bucket in the device-side optimizer.
+    assert stage0["user_state"] == [] and stage1["user_state"] == ["layers.2.bias", "layers.2.weight"]
+    assert cpu["user_state"] == ["layers.2.bias", "layers.2.weight"]
+    assert all(rank["engine_devices"] == ["cpu"] for rank in (cpu, stage0, stage1))
+
+
+@pytest.mark.parametrize("writer", ["fine", "plain"])
+def test_resume_and_ordinary_checkpoints(tmp_path: Path, writer: str) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    strategies = {"fine": fine(cpu_fraction=0.5, offload="all"), "plain": None}
+    fit(strategies[writer], "adamw", [checkpoint], max_steps=4, enable_checkpointing=True)
+    path = tmp_path / "step=4.ckpt"
+    reference = Net().double()
+    trainer(None, max_steps=8).fit(reference, regression_data(), ckpt_path=path)
+    resumed = Net().double()
+    trainer(fine(stages=["cpu"] * 3, cpu_fraction=0.3, offload=[0, 2]), max_steps=8).fit(resumed, regression_data(), ckpt_path=path)
+    assert max_param_diff(reference, resumed) < TOL
+    if writer == "fine":
+        state = torch.load(path, weights_only=False)["optimizer_states"][0]
+        assert sorted(state["state"]) == list(range(6))  # every parameter's Adam state, in torch's format
+        assert {"step", "exp_avg", "exp_avg_sq"} == set(state["state"][0])
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"offload": "all"}, "`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`"),
+        ({"offload": [1]}, "`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`"),
+        ({"mode": "fine", "offload": "some"}, "must be 'auto', 'none', 'all' or a list of bucket indices"),
+        ({"mode": "fine", "offload": [-1]}, "must list bucket indices (integers >= 0)"),
+        ({"mode": "fine", "bucket_size_mb": 0}, "`bucket_size_mb=0` must be a positive number of megabytes"),
+    ],
+)
+def test_bad_arguments(no_processes: None, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        HeteroStrategy(**kwargs)
+
+
+def test_offloading_a_bucket_that_does_not_exist(no_processes: None) -> None:
+    with pytest.raises(ValueError, match=re.escape("names bucket 9, but the model has 3 buckets (0 to 2)")):
+        fit(fine(offload=[1, 9]))
+
+
+class CustomClipping(Net):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def test_custom_clipping_hook_needs_coarse_mode() -> None:
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    with pytest.raises(ProcessRaisedException, match="overrides `configure_gradient_clipping`, which fine mode cannot call"):
+        trainer(fine(), max_steps=1).fit(CustomClipping(), regression_data())
+
+
+@pytest.mark.parametrize("mode,offload", [("coarse", "none"), ("fine", "none"), ("fine", "all")])
+def test_bf16_mixed_precision(tmp_path: Path, mode: str, offload: str) -> None:
+    """bf16 compute (autocast on every worker's own device), float32 weights and optimizer."""
+    reference = fit(None, precision="bf16-mixed")
+    strategy = hetero(mode=mode, offload=offload, cpu_fraction=0.5, bucket_size_mb=TINY_BUCKETS)
+    model = fit(strategy, callbacks=[RecordCopies(tmp_path)], precision="bf16-mixed")
+    assert_copies_identical(tmp_path)
+    assert next(model.parameters()).dtype == torch.float32
+    # Shares round their bf16 products differently from the whole batch: close, not equal.
+    assert max_param_diff(reference, model) < 1e-3
+
+
+class RecordMasters(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = [s for s in trainer.strategy.offload_steps if isinstance(s, OffloadStep)]
+        pairs = [(p, m) for s in steps for p, m in zip(s.params, s.masters)]
+        record = {
+            "master_dtypes": sorted({str(m.dtype) for _, m in pairs}),
+            "master_devices": sorted({str(m.device) for _, m in pairs}),
+            "param_dtypes": sorted({str(p.dtype) for p, _ in pairs}),
+            "params_are_rounded_masters": all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in pairs),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def test_bf16_weights_with_fp32_masters_on_the_cpu(tmp_path: Path) -> None:
+    """bf16-true computes and stores the model in bf16; offloaded buckets keep fp32 master weights
+    on the CPU and step those, so the bf16 weights are the rounded masters."""
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    strategy = fine(cpu_fraction=0.5, offload="all")
+    model = fit(strategy, callbacks=[RecordMasters(tmp_path), RecordCopies(copies)], precision="bf16-true")
+    assert_copies_identical(copies)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    for rank in range(3):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record == {
+            "master_dtypes": ["torch.float32"],
+            "master_devices": ["cpu"],
+            "param_dtypes": ["torch.bfloat16"],
+            "params_are_rounded_masters": True,
+        }
