@@ -3,7 +3,9 @@
 Coarse mode sums all gradients and steps the optimizer after the backward; fine mode sums and
 steps bucket by bucket while the backward is still running. The fraction of coarse mode's
 sync+step time that fine mode hides is ``(coarse step - fine step) / coarse sync+step``, the
-sync+step time measured on rank 0 (the CPU worker, which syncs and steps the whole model). All
+sync+step time measured on rank 0 (the CPU worker, which syncs and steps the whole model) from
+the end of its autograd backward to the end of the optimizer step. That span includes the time it
+waits for the stages' gradients, so the share is a lower bound's proxy, not an exact split. All
 configurations alternate in one run; medians are reported.
 
     python -m benchmarks.fine [--steps N] [--repeats R]
@@ -68,7 +70,6 @@ def main() -> None:
             sync_and_step.extend(json.loads(out.read_text()))
             return times
 
-    medians = {}
     samples: dict[str, list[float]] = {"coarse": [], "fine, no offload": [], "fine, all offloaded": []}
     configs = {
         "coarse": lambda: run(mode="coarse"),

@@ -21,9 +21,10 @@ from __future__ import annotations
 import inspect
 from contextlib import nullcontext
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -32,10 +33,12 @@ __all__ = [
     "DeviceStep",
     "OffloadStep",
     "param_index",
-    "with_offloaded_state",
-    "load_with_offloaded_state",
+    "check_offload",
+    "choose_offloaded",
     "offload_for_memory",
 ]
+
+OffloadArg = Union[Literal["auto", "none", "all"], Sequence[int]]
 
 
 def param_index(optimizer: Optimizer) -> dict[nn.Parameter, tuple[int, int]]:
@@ -77,8 +80,19 @@ class BucketStep:
 
     params: list[nn.Parameter]
 
+    def gradient_destination(self, param: nn.Parameter) -> Tensor:
+        """The tensor whose ``.grad`` should receive ``param``'s summed gradient."""
+        return param
+
+    def grad_holders(self) -> list[Tensor]:
+        """The tensors whose ``.grad`` this step consumes (for clipping)."""
+        return list(self.params)
+
     def step(self) -> None:
         raise NotImplementedError
+
+    def after_all_steps(self) -> None:
+        """Called on the training thread once every bucket has stepped."""
 
     def _sync_hyperparameters(self, optimizer: Optimizer, user: Optimizer, sources: list[int]) -> None:
         """Copy the user groups' current hyperparameters (an LR scheduler may have changed them)."""
@@ -112,31 +126,43 @@ class OffloadStep(BucketStep):
     A parameter that already lives in CPU memory in the master's dtype (on a CPU worker, or an
     emulated stage) is its own master: it is stepped in place, with no second copy. Pass
     ``host_copies=True`` to keep separate masters anyway (to measure what the copies cost).
+    Summed gradients go straight into the masters (``gradient_destination``); a gradient still
+    on the device (no CPU worker to sum with) is copied over on a side stream.
     """
 
+    MASTER = "hetero_master"
+    """The key under which a separate master weight travels in a checkpoint's optimizer state."""
+
     def __init__(
-        self, optimizer: Optimizer, params: Sequence[nn.Parameter], index: dict, host_copies: bool | None = None
+        self, optimizer: Optimizer, params: Sequence[nn.Parameter], index: dict, host_copies: bool = False
     ) -> None:
         self.user = optimizer
         self.params = [p for p in params if p in index]
         pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in self.params)
         self.masters = [self._master(p, pin, host_copies) for p in self.params]
+        self._master_of = dict(zip(self.params, self.masters))
         self.grads = [None if m is p else torch.empty_like(m, pin_memory=pin) for p, m in zip(self.params, self.masters)]
         groups, self.sources = _bucket_groups(optimizer, self.params, index)
-        by_param = dict(zip(self.params, self.masters))
         for group in groups:
-            group["params"] = [by_param[p] for p in group["params"]]
+            group["params"] = [self._master_of[p] for p in group["params"]]
         self.optimizer = _cpu_optimizer(optimizer, groups) if groups else None
         self._stream = torch.cuda.Stream(self.params[0].device) if pin else None
+        self._uploaded: Any = None
 
     @staticmethod
-    def _master(param: nn.Parameter, pin: bool, host_copies: bool | None) -> nn.Parameter:
+    def _master(param: nn.Parameter, pin: bool, host_copies: bool) -> nn.Parameter:
         dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
         if not host_copies and param.device.type == "cpu" and param.dtype == dtype:
             return param
         master = torch.empty(param.shape, dtype=dtype, pin_memory=pin)
         master.copy_(param.detach())
         return nn.Parameter(master, requires_grad=param.requires_grad)
+
+    def gradient_destination(self, param: nn.Parameter) -> Tensor:
+        return self._master_of.get(param, param)
+
+    def grad_holders(self) -> list[Tensor]:
+        return list(self.masters)
 
     def step(self) -> None:
         self._to_host()
@@ -145,22 +171,29 @@ class OffloadStep(BucketStep):
             self.optimizer.step()
         self._to_device()
 
+    def after_all_steps(self) -> None:
+        # The next forward runs on the compute stream: it waits for the new weights, while the
+        # backward that ran alongside the steps did not.
+        if self._uploaded is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(self._uploaded)
+            self._uploaded = None
+
     def _to_host(self) -> None:
+        """Copy gradients still on the device into the masters' (the summed ones are there already)."""
+        moving = [(p, m, g) for p, m, g in zip(self.params, self.masters, self.grads) if m is not p and p.grad is not None]
+        if not moving:
+            return
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.params[0].device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for p, master, grad in zip(self.params, self.masters, self.grads):
-                if master is p:
-                    continue
-                if p.grad is None:
-                    master.grad = None
-                else:
-                    grad.copy_(p.grad, non_blocking=True)
-                    master.grad = grad
-                p.grad = None
+            for p, master, grad in moving:
+                grad.copy_(p.grad, non_blocking=True)
+                master.grad = grad
         if stream is not None:
-            stream.synchronize()
+            stream.synchronize()  # before the device gradients are released to the allocator
+        for p, _, _ in moving:
+            p.grad = None
 
     def _to_device(self) -> None:
         stream = self._stream
@@ -170,28 +203,37 @@ class OffloadStep(BucketStep):
                     p.grad = None
                 else:
                     p.copy_(master, non_blocking=True)
+                    master.grad = None
         if stream is not None:
-            # The next forward runs on the default stream; make it wait for the new weights.
-            torch.cuda.current_stream(self.params[0].device).wait_stream(stream)
+            self._uploaded = stream.record_event()
 
     def state(self) -> dict[nn.Parameter, dict[str, Any]]:
-        """Optimizer state per (device) parameter, as the user's optimizer would hold it."""
+        """Optimizer state per (device) parameter, as the user's optimizer would hold it; a separate
+        master weight (e.g. fp32 under bf16 weights) travels with it, so no precision is lost."""
         if self.optimizer is None:
             return {}
-        return {p: self.optimizer.state[m] for p, m in zip(self.params, self.masters) if m in self.optimizer.state}
+        states = {}
+        for p, master in zip(self.params, self.masters):
+            if master in self.optimizer.state:
+                states[p] = dict(self.optimizer.state[master])
+                if master is not p:
+                    states[p][self.MASTER] = master.detach().clone()
+        return states
 
     def load_state(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
         """Take optimizer state (e.g. from a checkpoint) for this bucket's parameters."""
         for p, master in zip(self.params, self.masters):
-            if p in states and self.optimizer is not None:
+            state = dict(states.get(p, {}))
+            saved_master = state.pop(self.MASTER, None)
+            if master is not p:
+                master.data.copy_(saved_master if saved_master is not None else p.detach())
+            if state and self.optimizer is not None:
                 self.optimizer.state[master] = {
                     k: v.to("cpu", dtype=master.dtype if v.is_floating_point() and k != "step" else v.dtype)
                     if isinstance(v, Tensor)
                     else v
-                    for k, v in states[p].items()
+                    for k, v in state.items()
                 }
-            if master is not p:
-                master.data.copy_(p.detach())
 
 
 def _cpu_optimizer(optimizer: Optimizer, groups: list[dict]) -> Optimizer:
@@ -202,36 +244,6 @@ def _cpu_optimizer(optimizer: Optimizer, groups: list[dict]) -> Optimizer:
     if "fused" in inspect.signature(type(optimizer).__init__).parameters:
         defaults["fused"] = True
     return type(optimizer)(groups, **defaults)
-
-
-def with_offloaded_state(optimizer: Optimizer, steps: Sequence[BucketStep]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with the state of offloaded buckets filled in, as if the
-    optimizer had stepped every parameter itself: an ordinary torch optimizer state dict."""
-    state_dict = optimizer.state_dict()
-    index = param_index(optimizer)
-    for step in steps:
-        if isinstance(step, OffloadStep):
-            for p, state in step.state().items():
-                state_dict["state"][index[p][1]] = state
-    state_dict["state"] = dict(sorted(state_dict["state"].items()))
-    return state_dict
-
-
-def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], steps: Sequence[BucketStep]) -> None:
-    """Load an ordinary optimizer state dict: offloaded buckets take their parameters' state, the
-    optimizer the rest (only for parameters this rank holds; others live on the meta device)."""
-    by_position = {position: p for p, (_, position) in param_index(optimizer).items()}
-    offloaded = {p: step for step in steps if isinstance(step, OffloadStep) for p in step.params}
-    mine, theirs = {}, {}
-    for position, state in state_dict["state"].items():
-        p = by_position[int(position)]
-        if p in offloaded:
-            theirs.setdefault(offloaded[p], {})[p] = state
-        elif not p.is_meta:
-            mine[position] = state
-    optimizer.load_state_dict({"state": mine, "param_groups": state_dict["param_groups"]})
-    for step, states in theirs.items():
-        step.load_state(states)
 
 
 def offload_for_memory(params: Sequence[Sequence[nn.Parameter]], device: torch.device, share: float = 0.25) -> list[int]:
@@ -250,3 +262,41 @@ def offload_for_memory(params: Sequence[Sequence[nn.Parameter]], device: torch.d
         chosen.append(k)
         left -= size
     return chosen
+
+
+def check_offload(offload: Any, mode: str) -> None:
+    """Raise a clear error for an ``offload`` argument no run could follow."""
+    if isinstance(offload, str):
+        if offload not in ("auto", "none", "all"):
+            raise ValueError(f"`offload={offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices.")
+        if offload == "all" and mode != "fine":
+            raise ValueError("`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`.")
+        return
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in offload):
+        raise ValueError(f"`offload={offload!r}` must list bucket indices (integers >= 0).")
+    if offload and mode != "fine":
+        raise ValueError("`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`.")
+
+
+def choose_offloaded(
+    offload: OffloadArg,
+    buckets: Sequence[Any],
+    own: Sequence[Any],
+    params: Sequence[Sequence[nn.Parameter]],
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> set[int]:
+    """The indices of the offloaded buckets, the same on every rank. For ``"auto"``, each GPU stage
+    decides for its own buckets (``own``) from its device's memory (``offload_for_memory``), and
+    every rank learns the union (a collective)."""
+    if offload == "none":
+        return set()
+    if offload == "all":
+        return {b.index for b in buckets}
+    if not isinstance(offload, str):
+        return set(offload)
+    chosen = offload_for_memory([params[b.index] for b in own], device) if own else []
+    mine = [own[k].index for k in chosen]
+    decisions: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(decisions, mine, group=group)
+    return {k for decision in decisions for k in decision}

@@ -15,7 +15,8 @@ whole batch (what a single-process run would pass) stands for the worker's own s
 computed by torchmetrics' cross-process sync, which the strategy routes over gloo.
 
 Values logged from other hooks (``on_train_epoch_end``, callbacks, ...) are each rank's own, as
-with DDP; middle pipeline stages compute no samples, so such hooks see nothing collected there.
+with DDP; stages before the last never run the step methods, so such hooks see nothing
+collected there.
 """
 
 from __future__ import annotations

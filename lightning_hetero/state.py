@@ -1,7 +1,8 @@
 """Model and optimizer state when stages hold only their slice of the layers.
 
 A stage rank keeps its own layers on its device and the others on the ``meta`` device (shape
-only, no memory). Where a CPU worker exists, global rank 0 is one and holds the whole model and
+only, no memory). In fine mode, offloaded buckets keep their optimizer state outside the
+optimizer; checkpoints still hold every parameter's state in torch's ordinary format. Where a CPU worker exists, global rank 0 is one and holds the whole model and
 optimizer state, so checkpoints need nothing from here. Without a CPU worker, rank 0 is stage 0,
 and these helpers gather the stages' slices into one ordinary state dict, keyed exactly as a
 single-process model's, which a plain ``Trainer`` loads.
@@ -9,14 +10,24 @@ single-process model's, which a plain ``Trainer`` loads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import nn
+from torch.optim import Optimizer
 
-__all__ = ["gather_module_state", "gather_optimizer_state", "move_materialized"]
+from lightning_hetero.offload import BucketStep, OffloadStep, param_index
+
+__all__ = [
+    "gather_module_state",
+    "gather_optimizer_state",
+    "move_materialized",
+    "with_offloaded_state",
+    "load_with_offloaded_state",
+]
 
 
 def move_materialized(module: nn.Module, device: torch.device) -> None:
@@ -54,3 +65,33 @@ def _gather(obj: Any, group: dist.ProcessGroup) -> list[Any] | None:
     parts: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(obj, parts, dst=dist.get_global_rank(group, 0), group=group)
     return parts
+
+
+def with_offloaded_state(optimizer: Optimizer, steps: Sequence[BucketStep]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with the state of offloaded buckets filled in, as if the
+    optimizer had stepped every parameter itself: an ordinary torch optimizer state dict."""
+    state_dict = optimizer.state_dict()
+    index = param_index(optimizer)
+    for step in steps:
+        if isinstance(step, OffloadStep):
+            for p, state in step.state().items():
+                state_dict["state"][index[p][1]] = state
+    state_dict["state"] = dict(sorted(state_dict["state"].items()))
+    return state_dict
+
+
+def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], steps: Sequence[BucketStep]) -> None:
+    """Load an ordinary optimizer state dict: offloaded buckets take their parameters' state, the
+    optimizer the rest (only for parameters this rank holds; others live on the meta device)."""
+    by_position = {position: p for p, (_, position) in param_index(optimizer).items()}
+    offloaded = {p: step for step in steps if isinstance(step, OffloadStep) for p in step.params}
+    mine, theirs = {}, {}
+    for position, state in state_dict["state"].items():
+        p = by_position[int(position)]
+        if p in offloaded:
+            theirs.setdefault(offloaded[p], {})[p] = state
+        elif not p.is_meta:
+            mine[position] = state
+    optimizer.load_state_dict({"state": mine, "param_groups": state_dict["param_groups"]})
+    for step, states in theirs.items():
+        step.load_state(states)

@@ -57,17 +57,15 @@ from lightning_hetero.module import check_model_contract
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
 from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, merge_outputs, relog
 from lightning_hetero.shares import Shares, split_batch
-from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized
-from lightning_hetero.offload import (
-    BucketStep,
-    DeviceStep,
-    OffloadStep,
+from lightning_hetero.state import (
+    gather_module_state,
+    gather_optimizer_state,
     load_with_offloaded_state,
-    offload_for_memory,
-    param_index,
+    move_materialized,
     with_offloaded_state,
 )
-from lightning_hetero.sync import Bucket, GradientSync, OverlappedSync, add_grads, global_grad_norm, make_buckets
+from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, check_offload, choose_offloaded, param_index
+from lightning_hetero.sync import GradientSync, OverlappedSync, add_grads, clip_to_norm, global_grad_norm, make_buckets
 from lightning_hetero.topology import (
     ProcessGroups,
     Role,
@@ -142,7 +140,7 @@ class HeteroStrategy(ParallelStrategy):
         )
         if mode not in ("coarse", "fine"):
             raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse' or 'fine'.")
-        _check_offload(offload, mode)
+        check_offload(offload, mode)
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
             raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
         _check_int("cpu_workers", cpu_workers, minimum=0)
@@ -424,37 +422,33 @@ class HeteroStrategy(ParallelStrategy):
         assert self._layers is not None and self._groups is not None
         buckets = make_buckets(self._layers, self._bounds, self._bucket_bytes)
         params = [[p for layer in self._layers[slice(*b.layers)] for p in layer.parameters()] for b in buckets]
-        offloaded = self._offloaded_buckets(buckets, params)
+        own = [b for b in buckets if b.stage == self.role.index] if self.role.is_stage else []
+        offloaded = choose_offloaded(self._offload, buckets, own, params, self.root_device, self._control)
         optimizer = self.optimizers[0]
-        index = param_index(optimizer)
+        self._optimizer_layout = param_index(optimizer)
         entries = []
-        for bucket in buckets:
-            if self.role.is_cpu_worker or bucket.stage == self.role.index:
-                kind = OffloadStep if bucket.index in offloaded else DeviceStep
-                step = kind(optimizer, params[bucket.index], index)
-                entries.append((params[bucket.index], self._groups.sync[bucket.stage], step))
-        return OverlappedSync(entries, self._groups.replica, norm=lambda: self._global_norm(optimizer))
+        for bucket in buckets if self.role.is_cpu_worker else own:
+            kind = OffloadStep if bucket.index in offloaded else DeviceStep
+            step = kind(optimizer, params[bucket.index], self._optimizer_layout)
+            entries.append((params[bucket.index], self._groups.sync[bucket.stage], step))
+        return OverlappedSync(entries, self._groups.replica, norm=self._global_norm)
 
-    def _offloaded_buckets(self, buckets: list[Bucket], params: list[list[nn.Parameter]]) -> set[int]:
-        if self._offload == "none":
-            return set()
-        if self._offload == "all":
-            return {b.index for b in buckets}
-        if not isinstance(self._offload, str):
-            return set(self._offload)
-        # "auto": each GPU stage decides for its buckets from its device's memory, and every rank
-        # learns the union, so all agree.
-        mine: list[int] = []
-        if self.role.is_stage:
-            own = [b for b in buckets if b.stage == self.role.index]
-            chosen = offload_for_memory([params[b.index] for b in own], self.root_device)
-            mine = [own[k].index for k in chosen]
-        decisions: list[Any] = [None] * dist.get_world_size(self._control)
-        dist.all_gather_object(decisions, mine, group=self._control)
-        return {k for decision in decisions for k in decision}
+    def _refresh_overlap(self) -> None:
+        """Rebuild the bucket steps when the optimizer's parameters changed since they were built
+        (``add_param_group`` while fine-tuning), carrying the offloaded optimizer state over."""
+        assert self._overlap is not None
+        if param_index(self.optimizers[0]) == self._optimizer_layout:
+            return
+        old = self._overlap
+        states = {p: s for step in old.steps if isinstance(step, OffloadStep) for p, s in step.state().items()}
+        old.close()
+        self._overlap = self._build_overlap()
+        for step in self._overlap.steps:
+            if isinstance(step, OffloadStep):
+                step.load_state(states)
 
     @property
-    def offload_steps(self) -> list[BucketStep]:
+    def bucket_steps(self) -> list[BucketStep]:
         """This rank's bucket steps in fine mode (none in coarse mode)."""
         return self._overlap.steps if self._overlap is not None else []
 
@@ -478,13 +472,20 @@ class HeteroStrategy(ParallelStrategy):
         shares = self.shares(batch_size_of(batch))
         accumulate = trainer.accumulate_grad_batches
         # Fine mode's last micro-batch of an optimizer step: sum and step bucket by bucket during the backward.
+        if self._overlap is not None and self._sync_gradients:
+            self._refresh_overlap()
         overlap = self._overlap if self._sync_gradients else None
         first_of_window = batch_idx % accumulate == 0 and not _overrides(module, "optimizer_zero_grad")
         grads: GradPolicy = "accumulate" if overlap is not None else "drop" if first_of_window else "keep"
         with self.precision_plugin.train_step_context():
             if overlap is not None:
                 overlap.begin(self._worker.expected_grads(shares), *_clipping(trainer))
-            report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, grads)
+            try:
+                report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, grads)
+            except BaseException:
+                if overlap is not None:
+                    overlap.abort()
+                raise
             if overlap is not None:
                 overlap.finish()
             reports = self._finish_step(report)
@@ -525,23 +526,22 @@ class HeteroStrategy(ParallelStrategy):
             self._sync_gradients = True
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = self._global_norm(optimizer)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, clip_val, total.to(params[0].grad.dtype))
+        if self._overlap is not None:
+            return  # fine mode clipped each bucket as it stepped, on every rank alike
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_to_norm(params, clip_val, self._global_norm([p.grad for p in params if p.grad is not None]))
 
     def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if params:  # fine mode has stepped (and cleared) every gradient already
+        if params and self._overlap is None:
             torch.nn.utils.clip_grad_value_(params, clip_val)
 
-    def _global_norm(self, optimizer: Optimizer) -> Tensor:
-        """The norm of all of the model's gradients. Every rank joins its all-reduce, also one whose
-        stage has no gradients at all."""
-        own = None
-        if self.role.is_stage:
-            own = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    def _global_norm(self, grads: list[Tensor]) -> Tensor:
+        """The norm of all of the model's gradients, from this rank's ``grads``. Every rank joins
+        its all-reduce, also one whose stage has no gradients; CPU workers' count for nothing
+        (their replica's gradients equal the stages' after the sum)."""
         topo = self.topology
+        own = grads if self.role.is_stage else None
         return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
 
     @override
@@ -617,7 +617,7 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        state = with_offloaded_state(optimizer, self.offload_steps)
+        state = with_offloaded_state(optimizer, self.bucket_steps)
         if self._rank_zero_has_everything:
             return state
         return gather_optimizer_state(state, self._control)
@@ -634,7 +634,7 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_with_offloaded_state(optimizer, state, self.offload_steps)
+            load_with_offloaded_state(optimizer, state, self.bucket_steps)
             _optimizers_to_device([optimizer], self.root_device)
 
     @override
@@ -663,8 +663,9 @@ class HeteroStrategy(ParallelStrategy):
             note += " The layers of the other stages exist only on the meta device on this rank."
             if not self.role.is_last_stage:
                 note += (
-                    " A middle pipeline stage computes no samples itself: outputs collected in your step"
-                    " methods stay empty here, so hooks such as `on_validation_epoch_end` must handle none."
+                    " A stage before the last never sees the model's outputs, so your step methods do not run"
+                    " here: outputs they collect stay empty, and hooks such as `on_validation_epoch_end` must"
+                    " handle none."
                 )
         return note
 
@@ -747,19 +748,6 @@ def _check_optimizers(optimizers: list[Optimizer]) -> None:
 def _destroy_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _check_offload(offload: Any, mode: str) -> None:
-    if isinstance(offload, str):
-        if offload not in ("auto", "none", "all"):
-            raise ValueError(f"`offload={offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices.")
-        if offload == "all" and mode != "fine":
-            raise ValueError("`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`.")
-        return
-    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in offload):
-        raise ValueError(f"`offload={offload!r}` must list bucket indices (integers >= 0).")
-    if offload and mode != "fine":
-        raise ValueError("`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`.")
 
 
 def _check_fine_mode(module: LightningModule, optimizers: list[Optimizer]) -> None:

@@ -13,7 +13,8 @@ sums and steps bucket by bucket while the backward is still running.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "GradientSync",
     "OverlappedSync",
+    "clip_to_norm",
     "Bucket",
     "make_buckets",
     "set_grads_aside",
@@ -65,7 +67,7 @@ class _FlatBucket:
     The flag is 1 where this rank has a gradient. After the all-reduce, a parameter whose summed
     flag is 0 was used by no rank and keeps ``grad=None``, so the optimizer skips it exactly as it
     would in one process; the layout never depends on which gradients exist, so every rank sends
-    a buffer of the same size.
+    a buffer of the same size. CUDA gradients travel through a pinned buffer on a side stream.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool = False) -> None:
@@ -73,40 +75,64 @@ class _FlatBucket:
         self.group = group
         self.divisor = dist.get_world_size(group) if average else 1
         self.sizes = [p.numel() for p in params]
-        pin = any(p.device.type == "cuda" for p in params) and torch.cuda.is_available()
-        # Half-precision gradients are summed in float32, then rounded once.
+        cuda = [p.device for p in params if p.device.type == "cuda"]
+        self.stream = torch.cuda.Stream(cuda[0]) if cuda else None
+        # Half-precision gradients are summed in float32, then rounded once (or not at all, where
+        # they go on to float32 master weights).
         dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
-        self.buffer = torch.empty(sum(self.sizes) + len(params), dtype=dtype, pin_memory=pin)
+        self.buffer = torch.empty(sum(self.sizes) + len(params), dtype=dtype, pin_memory=bool(cuda))
 
-    def pack(self) -> Tensor:
-        offset = 0
-        for p, n in zip(self.params, self.sizes):
-            view = self.buffer[offset : offset + n]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1), non_blocking=True)
-            offset += n
+    def pack(self, ready: Any = None) -> Tensor:
+        """Copy the gradients in. ``ready`` is a CUDA event after which they are final (default:
+        everything queued so far on the current stream)."""
+        with self._on_side_stream(ready):
+            offset = 0
+            for p, n in zip(self.params, self.sizes):
+                view = self.buffer[offset : offset + n]
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad.reshape(-1), non_blocking=True)
+                offset += n
         flags = [0.0 if p.grad is None else 1.0 for p in self.params]
         self.buffer[offset:].copy_(torch.tensor(flags, dtype=self.buffer.dtype))
-        if self.buffer.is_pinned():
-            torch.cuda.synchronize()
         return self.buffer
 
-    def unpack(self) -> None:
+    def unpack(self, destination: Callable[[nn.Parameter], Tensor] | None = None) -> None:
+        """Put the sums into ``destination(p).grad`` (default: ``p.grad``); where that is not ``p``
+        itself (a CPU master weight), the summed value never goes back to the device, and the
+        device's own gradient is dropped."""
         if self.divisor != 1:
             self.buffer[: sum(self.sizes)] /= self.divisor
         flags = self.buffer[sum(self.sizes) :].tolist()
-        offset = 0
-        for i, (p, n) in enumerate(zip(self.params, self.sizes)):
-            if flags[i] == 0:
-                p.grad = None
-            else:
-                summed = self.buffer[offset : offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(summed, non_blocking=True)
-            offset += n
+        with self._on_side_stream(None):
+            offset = 0
+            for i, (p, n) in enumerate(zip(self.params, self.sizes)):
+                target = destination(p) if destination is not None else p
+                if flags[i] == 0:
+                    target.grad = None
+                else:
+                    summed = self.buffer[offset : offset + n].view_as(target)
+                    if target.grad is None:
+                        target.grad = torch.empty_like(target)
+                    target.grad.copy_(summed, non_blocking=True)
+                if target is not p:
+                    p.grad = None
+                offset += n
+
+    @contextmanager
+    def _on_side_stream(self, ready: Any) -> Generator[None, None, None]:
+        """Run device<->host copies on the side stream, after ``ready``, and wait for just them."""
+        if self.stream is None:
+            yield
+            return
+        if ready is not None:
+            self.stream.wait_event(ready)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
 
 
 class GradientSync:
@@ -173,13 +199,14 @@ class Bucket:
 
 def make_buckets(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], bucket_bytes: int) -> list[Bucket]:
     """Cut each stage's layers, from its last layer back, into buckets of at least ``bucket_bytes``
-    of parameters (the stage's first bucket takes what remains); bucket 0 is the model's last."""
+    of parameters counted as float32, whatever the run's precision (the stage's first bucket
+    takes what remains); bucket 0 is the model's last."""
     buckets: list[Bucket] = []
     for stage in reversed(range(len(bounds))):
         start, stop = bounds[stage]
         top, size = stop, 0
         for i in range(stop - 1, start - 1, -1):
-            size += sum(p.numel() * p.element_size() for p in layers[i].parameters())
+            size += 4 * sum(p.numel() for p in layers[i].parameters())
             if size >= bucket_bytes and i > start:
                 buckets.append(Bucket(len(buckets), stage, (i, top)))
                 top, size = i, 0
@@ -191,96 +218,155 @@ class OverlappedSync:
     """Fine mode: each bucket is summed and stepped as soon as the backward is done with it.
 
     A hook on every parameter counts the gradients it receives during the final backward of an
-    optimizer step (one per micro-batch on a stage, one on a CPU worker). When all of a bucket's
-    parameters are complete, the bucket is handed to a worker thread, which sums it over the sync
-    group (and averages over nodes), clips it by value if asked, and runs its step, while the
-    backward goes on with earlier layers. Buckets are handed over strictly in bucket order, so
-    every rank issues its collectives in the same order; a bucket that never completes (a
-    parameter unused in this step) goes at the end of the backward.
+    optimizer step (one per micro-batch on a stage, one on a CPU worker). As soon as all of a
+    bucket's parameters are complete, one thread copies the bucket out and starts its all-reduce
+    over the sync group (asynchronously, so several can be in flight), and a second thread, as
+    each sum arrives, averages it over nodes, clips it by value if asked, and steps the bucket,
+    all while the backward goes on with earlier layers. Buckets are started strictly in bucket
+    order, so every rank issues its collectives in the same order; a bucket that does not
+    complete (a parameter unused in this step) starts when the backward ends, and holds back the
+    buckets after it until then.
 
-    Clipping by norm needs every gradient before any step: then the thread only sums, and the
-    steps run after the backward, once the global norm is known.
+    Clipping by norm needs every gradient before any step: then the buckets are only summed
+    during the backward, and stepped after it once the global norm is known.
     """
 
     def __init__(
         self,
         entries: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, Any]],
         replica_group: dist.ProcessGroup | None,
-        norm: Callable[[], Tensor],
+        norm: Callable[[list[Tensor]], Tensor],
     ) -> None:
-        """``entries`` are this rank's buckets in bucket order: (parameters, sync group, step)."""
+        """``entries`` are this rank's buckets in bucket order: (parameters, sync group, step);
+        ``norm`` gives the global gradient norm from this rank's gradients (a collective)."""
         self._params = [list(params) for params, _, _ in entries]
         self._sums = [_FlatBucket(params, group) if group is not None and params else None for params, group, _ in entries]
         self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
         self._steps = [step for _, _, step in entries]
         self._norm = norm
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-buckets")
+        devices = {p.device for params in self._params for p in params if p.device.type == "cuda"}
+        self._device = next(iter(devices), None)
+        # Threads do not inherit the current CUDA device: give them the stage's.
+        init = {"initializer": torch.cuda.set_device, "initargs": (self._device,)} if self._device else {}
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-sums", **init)
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-steps", **init)
+        self._hooks: dict[nn.Parameter, Any] = {}
+        self._armed = False
         self.handed_early = 0
-        """Buckets handed over while the last backward was still running (the rest went after it)."""
-        self._hooked: set[nn.Parameter] = set()
-        self._armed = False
-
-    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None) -> None:
-        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients."""
-        for k, params in enumerate(self._params):
-            for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
-                if p.requires_grad and p not in self._hooked:
-                    p.register_post_accumulate_grad_hook(partial(self._arrived, k))
-                    self._hooked.add(p)
-        self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
-        self._counts: dict[nn.Parameter, int] = {}
-        self._missing = [sum(p.requires_grad for p in params) for params in self._params]
-        self._next = 0
-        self._futures: list[Future] = []
-        self._armed = True
-        self._hand_over()  # buckets with nothing to wait for (no trainable parameters)
-
-    def finish(self) -> None:
-        """Hand over the buckets still waiting, wait for all of them, and (when clipping by norm) step."""
-        self._armed = False
-        self.handed_early = self._next
-        self._hand_over(everything=True)
-        for future in self._futures:
-            future.result()
-        if self._clip_norm is not None:
-            grads = [p for params in self._params for p in params if p.grad is not None]
-            total = self._norm()
-            if grads:
-                torch.nn.utils.clip_grads_with_norm_(grads, self._clip_norm, total.to(grads[0].dtype))
-            for step in self._steps:
-                step.step()
+        """Buckets started while the last backward was still running (the rest went after it)."""
+        self.stepped_early = 0
+        """Buckets whose step had finished before the last backward returned."""
 
     @property
     def steps(self) -> list[Any]:
         """The step of each of this rank's buckets, in bucket order."""
         return list(self._steps)
 
+    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None) -> None:
+        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients."""
+        for k, params in enumerate(self._params):
+            for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
+                if p.requires_grad and p not in self._hooks:
+                    self._hooks[p] = p.register_post_accumulate_grad_hook(partial(self._arrived, k))
+        self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
+        self._counts: dict[nn.Parameter, int] = {}
+        self._missing = [sum(p.requires_grad for p in params) for params in self._params]
+        self._next = 0
+        self._done: list[Future] = []
+        self._backward_over = False
+        self._stepped_in_backward = 0
+        self._armed = True
+        self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
+
+    def finish(self) -> None:
+        """Start the buckets still waiting, wait for all of them, and (when clipping by norm) step."""
+        self._armed = False
+        self._backward_over = True
+        self.handed_early = self._next
+        self._start_complete(everything=True)
+        for done in self._done:
+            done.result()
+        self.stepped_early = self._stepped_in_backward
+        if self._clip_norm is not None:
+            holders = [h for step in self._steps for h in step.grad_holders() if h.grad is not None]
+            clip_to_norm(holders, self._clip_norm, self._norm([h.grad for h in holders]))
+            for step in self._steps:
+                step.step()
+        for step in self._steps:
+            step.after_all_steps()
+
+    def abort(self) -> None:
+        """Stop after a failure in this step: nothing more starts; what is queued is dropped."""
+        self._armed = False
+        for done in getattr(self, "_done", []):
+            done.cancel()
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Remove the hooks and stop the threads (the strategy's teardown)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        self._starter.shutdown(wait=False, cancel_futures=True)
+        self._stepper.shutdown(wait=False, cancel_futures=True)
 
     def _arrived(self, k: int, param: nn.Parameter) -> None:
         if not self._armed:
             return
         count = self._counts.get(param, 0) + 1
         self._counts[param] = count
+        if count > self._arrivals:
+            raise RuntimeError(
+                f"A parameter of bucket {k} received {count} gradients in a backward that gives each {self._arrivals}:"
+                " it is used outside its own layer (or twice per micro-batch through a path the layer does not own),"
+                " which the model contract rules out."
+            )
         if count == self._arrivals:
             self._missing[k] -= 1
-            self._hand_over()
+            self._start_complete()
 
-    def _hand_over(self, everything: bool = False) -> None:
-        """Give the thread the next buckets in order, as long as they are complete (or all of them)."""
+    def _start_complete(self, everything: bool = False) -> None:
+        """Start the next buckets in order, as long as they are complete (or all of them)."""
         while self._next < len(self._steps) and (everything or self._missing[self._next] == 0):
-            self._futures.append(self._executor.submit(self._sync_and_step, self._next))
+            k, ready = self._next, None
+            if self._device is not None and self._sums[k] is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self._device))
+            started = self._starter.submit(self._start_sum, k, ready)
+            self._done.append(self._stepper.submit(self._sum_and_step, k, started))
             self._next += 1
 
-    def _sync_and_step(self, k: int) -> None:
-        for flat in (self._sums[k], self._nodes[k]):
-            if flat is not None:
-                dist.all_reduce(flat.pack(), group=flat.group)
-                flat.unpack()
+    def _start_sum(self, k: int, ready: Any) -> Any:
+        flat = self._sums[k]
+        if flat is None:
+            return None
+        return dist.all_reduce(flat.pack(ready), group=flat.group, async_op=True)
+
+    def _sum_and_step(self, k: int, started: Future) -> None:
+        work = started.result()
+        step = self._steps[k]
+        if work is not None:
+            work.wait()
+            self._sums[k].unpack(step.gradient_destination)
+        if self._nodes[k] is not None:
+            nodes = self._nodes[k]
+            dist.all_reduce(nodes.pack(), group=nodes.group)
+            nodes.unpack(step.gradient_destination)
         if self._clip_norm is not None:
             return
-        grads = [p for p in self._params[k] if p.grad is not None]
-        if self._clip_value is not None and grads:
-            torch.nn.utils.clip_grad_value_(grads, self._clip_value)
-        self._steps[k].step()
+        if self._clip_value is not None:
+            holders = [h for h in step.grad_holders() if h.grad is not None]
+            if holders:
+                torch.nn.utils.clip_grad_value_(holders, self._clip_value)
+        step.step()
+        if not self._backward_over:
+            self._stepped_in_backward += 1
+
+
+def clip_to_norm(params: Sequence[Tensor], max_norm: float, total: Tensor) -> None:
+    """Scale the gradients of ``params`` so their global norm (``total``, computed over every
+    stage) is at most ``max_norm``, exactly as ``clip_grad_norm_`` would in one process."""
+    with_grads = [p for p in params if p.grad is not None]
+    if with_grads:
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total.to(with_grads[0].grad.dtype))
+
+

@@ -3,7 +3,7 @@
 Run by tests/test_launchers.py under torchrun, under a simulated SLURM srun, and with the
 strategy's own "popen" launch (which runs this script again for every other rank). Usage:
 
-    python tests/external_launch.py OUT_DIR [--popen | --string] [--unseeded] [--num-nodes N]
+    python tests/external_launch.py OUT_DIR [--popen | --string] [--unseeded] [--num-nodes N] [--fine]
 
 Rank 0 writes OUT_DIR/state.pt (the trained weights) and OUT_DIR/environment.txt; every rank
 writes OUT_DIR/rank{N}.pt with the parameters it holds. `--unseeded` builds the model without a
@@ -32,9 +32,12 @@ def main() -> None:
     parser.add_argument("--string", action="store_true")
     parser.add_argument("--unseeded", action="store_true")
     parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--fine", action="store_true", help="fine mode, the last layers' bucket offloaded")
     args = parser.parse_args()
     model = Net(seed=None if args.unseeded else 0)
-    strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method="popen" if args.popen else "fork")
+    layout = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
+    start_method = "popen" if args.popen else "fork"
+    strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method=start_method, **layout)
     t = trainer(strategy, max_steps=8 if args.num_nodes == 1 else 6, num_nodes=args.num_nodes)
     t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48))
     held = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}

@@ -127,3 +127,44 @@ def read_metrics(log_dir: str | Path) -> list[dict[str, float]]:
 
 def column(rows: list[dict[str, float]], key: str) -> list[tuple[int, float]]:
     return [(int(r["step"]), r[key]) for r in rows if key in r]
+
+
+class Twice(nn.Module):
+    """A layer that applies its Linear twice (one parameter, two uses in the same layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+class WithSpare(nn.Module):
+    """A Linear with a parameter the forward never uses."""
+
+    def __init__(self, features: int, out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, out)
+        self.spare = nn.Parameter(torch.ones(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class OddNet(Net):
+    """`Net` with a parameter used twice in its layer and one never used: the unused one keeps
+    `grad=None` and is never stepped, as in one process."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(1)
+        self.layers[2] = Twice(16)
+        self.layers[4] = WithSpare(16, 3)
+
+
+class FinetunedNet(Net):
+    """`Net` whose optimizer starts without the frozen first layer (Lightning's fine-tuning pattern)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)

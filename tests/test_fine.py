@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.offload import OffloadStep
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
-from tests.models import Net, regression_data
+from lightning_hetero.offload import DeviceStep
+from tests.models import FinetunedNet, Net, OddNet, regression_data
 
 TOL = 1e-10
-# A bucket per layer with parameters: Net's three Linear layers (4, 2 and 0, with the parameter-free
-# layers above them) are buckets 0, 1 and 2, however many stages hold them.
+# A bucket per layer with parameters: on one or two stages, Net's three Linear layers (4, 2 and 0,
+# with the parameter-free layers above them) are buckets 0, 1 and 2. On three stages the middle
+# stage begins with a Tanh, which makes a parameter-free bucket of its own (4 buckets).
 TINY_BUCKETS = 1e-5
 
 
@@ -99,17 +102,17 @@ class RecordOverlap(L.Callback):
         strategy = trainer.strategy
         names = {p: n for n, p in pl_module.named_parameters()}
         user = strategy.optimizers[0]
-        offloaded = [names[p] for s in strategy.offload_steps if isinstance(s, OffloadStep) for p in s.params]
+        offloaded = [names[p] for s in strategy.bucket_steps if isinstance(s, OffloadStep) for p in s.params]
         engine_devices = {
             str(t.device)
-            for s in strategy.offload_steps
+            for s in strategy.bucket_steps
             if isinstance(s, OffloadStep)
             for state in s.optimizer.state.values()
             for t in state.values()
         }
         record = {
             "early": self.early,
-            "buckets": len(strategy.offload_steps),
+            "buckets": len(strategy.bucket_steps),
             "offloaded": sorted(offloaded),
             "user_state": sorted(names[p] for p in user.state if user.state[p]),
             "engine_devices": sorted(engine_devices),
@@ -134,10 +137,14 @@ def test_buckets_sync_and_step_during_the_backward_and_offloaded_state_stays_on_
     assert all(rank["engine_devices"] == ["cpu"] for rank in (cpu, stage0, stage1))
 
 
-@pytest.mark.parametrize("writer", ["fine", "plain"])
+@pytest.mark.parametrize("writer", ["fine", "fine-no-cpu-worker", "plain"])
 def test_resume_and_ordinary_checkpoints(tmp_path: Path, writer: str) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
-    strategies = {"fine": fine(cpu_fraction=0.5, offload="all"), "plain": None}
+    strategies = {
+        "fine": fine(cpu_fraction=0.5, offload="all"),
+        "fine-no-cpu-worker": fine(cpu_workers=0, offload=[0, 2]),
+        "plain": None,
+    }
     fit(strategies[writer], "adamw", [checkpoint], max_steps=4, enable_checkpointing=True)
     path = tmp_path / "step=4.ckpt"
     reference = Net().double()
@@ -145,7 +152,7 @@ def test_resume_and_ordinary_checkpoints(tmp_path: Path, writer: str) -> None:
     resumed = Net().double()
     trainer(fine(stages=["cpu"] * 3, cpu_fraction=0.3, offload=[0, 2]), max_steps=8).fit(resumed, regression_data(), ckpt_path=path)
     assert max_param_diff(reference, resumed) < TOL
-    if writer == "fine":
+    if writer != "plain":
         state = torch.load(path, weights_only=False)["optimizer_states"][0]
         assert sorted(state["state"]) == list(range(6))  # every parameter's Adam state, in torch's format
         assert {"step", "exp_avg", "exp_avg_sq"} == set(state["state"][0])
@@ -200,7 +207,7 @@ class RecordMasters(L.Callback):
         self.out = out
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        steps = [s for s in trainer.strategy.offload_steps if isinstance(s, OffloadStep)]
+        steps = [s for s in trainer.strategy.bucket_steps if isinstance(s, OffloadStep)]
         pairs = [(p, m) for s in steps for p, m in zip(s.params, s.masters)]
         record = {
             "master_dtypes": sorted({str(m.dtype) for _, m in pairs}),
@@ -228,3 +235,119 @@ def test_bf16_weights_with_fp32_masters_on_the_cpu(tmp_path: Path) -> None:
             "param_dtypes": ["torch.bfloat16"],
             "params_are_rounded_masters": True,
         }
+
+
+STEPPED = threading.Event()
+GATED = threading.Event()
+
+
+class Gate(torch.autograd.Function):
+    """Identity whose backward, once armed, waits until some bucket has been stepped: it sits in
+    front of the first layer, so it runs last in the backward, and returns only if a step
+    happened meanwhile."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        STEPPED.clear()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if GATED.is_set() and not STEPPED.wait(timeout=30):
+            raise RuntimeError("no bucket was stepped while the backward was running")
+        return grad
+
+
+class GateLayer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Gate.apply(x if x.requires_grad else x.requires_grad_())
+
+
+class GatedStages(Net):
+    """`Net` with a gate in front of its layers, on every path (CPU worker and pipeline)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = GateLayer()
+
+    def pipeline_layers(self) -> list:
+        return [self.gate, *self.layers]
+
+
+class ArmGate(L.Callback):
+    """From the second step on: a new pipeline layout's first step runs an extra backward to infer
+    shapes (torch's PipelineStage), in which no gradient reaches a parameter."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= 1:
+            GATED.set()
+
+
+def test_buckets_are_stepped_while_the_backward_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic evidence of the overlap: the backward cannot finish until a bucket's step has
+    run in the step thread; stepping only after the backward would fail the gate."""
+    step = DeviceStep.step
+
+    def step_and_signal(self: DeviceStep) -> None:
+        step(self)
+        STEPPED.set()
+
+    monkeypatch.setattr(DeviceStep, "step", step_and_signal)  # the forked workers inherit it
+    model = GatedStages()
+    # One micro-batch: the gate waits in the only (so the last) backward of each step.
+    strategy = fine(stages=["cpu"], cpu_fraction=0.5, micro_batches=1)
+    trainer(strategy, max_steps=3, callbacks=[ArmGate()]).fit(model, regression_data())
+    plain = GatedStages()
+    trainer(None, max_steps=3).fit(plain, regression_data())  # not armed in this process
+    assert max_param_diff(plain, model) < TOL
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_parameters_used_twice_or_never(mode: str) -> None:
+    plain = OddNet()
+    trainer(None, max_steps=8).fit(plain, regression_data())
+    model = OddNet()
+    strategy = hetero(mode=mode, stages=["cpu"] * 3, cpu_fraction=0.4, bucket_size_mb=TINY_BUCKETS, micro_batches=3)
+    trainer(strategy, max_steps=8).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL
+    assert torch.equal(model.layers[4].spare, torch.ones(3, dtype=model.layers[4].spare.dtype))  # never stepped
+
+
+class UnfreezeFirstLayer(L.Callback):
+    """Lightning's fine-tuning pattern: the first layer starts frozen and outside the optimizer,
+    and joins it as a new parameter group in the second epoch. (``BaseFinetuning``'s own
+    ``unfreeze_and_add_param_group`` compares parameter values, which the meta copies of other
+    stages' layers cannot be compared by; adding the group directly works everywhere.)"""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        pl_module.layers[0].requires_grad_(False)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            pl_module.layers[0].requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.layers[0].parameters()), "lr": 0.05})
+
+
+@pytest.mark.parametrize("offload", ["none", [2]])
+def test_layers_added_to_the_optimizer_while_training(offload: Any) -> None:
+    plain = FinetunedNet()
+    trainer(None, max_steps=8, callbacks=[UnfreezeFirstLayer()]).fit(plain, regression_data())
+    model = FinetunedNet()
+    strategy = fine(cpu_fraction=0.5, offload=offload)
+    trainer(strategy, max_steps=8, callbacks=[UnfreezeFirstLayer()]).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL
+    assert not torch.equal(plain.layers[0].weight, Net().layers[0].weight.double())  # it did train
+
+
+def test_bf16_resume_keeps_the_fp32_masters(tmp_path: Path) -> None:
+    def run(steps: int, ckpt: Path | None = None, callbacks: list | None = None) -> Net:
+        model = Net().bfloat16()
+        t = trainer(fine(cpu_fraction=0.5, offload="all"), max_steps=steps, precision="bf16-true",
+                    callbacks=callbacks or [], enable_checkpointing=bool(callbacks))
+        t.fit(model, regression_data(), ckpt_path=ckpt)
+        return model
+
+    straight = run(8)
+    run(4, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4)])
+    resumed = run(8, ckpt=tmp_path / "step=4.ckpt")
+    assert max_param_diff(straight, resumed) == 0

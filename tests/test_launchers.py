@@ -93,7 +93,8 @@ def test_external_processes(tmp_path: Path, reference: dict, launch, environment
     assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
 
 
-def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str) -> None:
     """Two hetero groups (torchrun nodes on this machine) are data-parallel replicas: they train as
     DDP does with one process per node, on the same per-node batches."""
     ddp = Net().double()  # the fork launcher loads the trained float64 weights into this copy
@@ -102,7 +103,7 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path) -> None:
     port = str(find_free_network_port())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3"]
     torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
-    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2"]
+    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", *(["--fine"] if mode == "fine" else [])]
     nodes = [subprocess.Popen([*torchrun, f"--node-rank={n}", *script], env=clean_env()) for n in range(2)]
     assert [node.wait(timeout=240) for node in nodes] == [0, 0]
     assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL

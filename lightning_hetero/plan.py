@@ -1,0 +1,155 @@
+"""``HeteroPlan``: the one description of how a hetero run is laid out.
+
+A plan says which devices run the pipeline stages and where the layers are cut between them,
+how the pipeline's share is cut into micro-batches and scheduled, how much of each batch the CPU
+workers compute, which fine-mode buckets are offloaded, and how the CPU's cores are split
+between data loading and compute. The workload analyzer writes one; ``HeteroStrategy(plan=...)``
+replays one, from the object or from its YAML file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+__all__ = ["HeteroPlan"]
+
+
+@dataclass(kw_only=True)
+class HeteroPlan:
+    """The layout of a hetero run. Every field is what ``HeteroStrategy`` takes of the same name,
+    except ``boundaries``, which fixes where the layers are cut."""
+
+    mode: Literal["coarse", "fine"] = "coarse"
+    """Coarse: gradients summed after the backward; fine: bucket by bucket during it."""
+    stages: list[str] = field(default_factory=lambda: ["cpu", "cpu"])
+    """The device of each pipeline stage, in order ('cpu' emulates a stage on a CPU process)."""
+    boundaries: list[Union[int, str]] = field(default_factory=list)
+    """Where each stage after the first begins: a layer's index in ``pipeline_layers()`` or its
+    module name (e.g. ``"blocks.6"``). Empty: cut by parameter count."""
+    micro_batches: int = 4
+    """Micro-batches the pipeline's share of a batch is cut into."""
+    schedule: str = "GPipe"
+    """A single-stage-per-rank schedule known to ``get_schedule_class``."""
+    cpu_workers: int = 1
+    """CPU-worker processes, each with a full replica."""
+    cpu_threads: Optional[int] = None
+    """torch threads per CPU worker (None: the cores the other processes leave)."""
+    cpu_fraction: float = 0.0
+    """The share of every batch the CPU workers compute, in [0, 1]."""
+    offload: list[int] = field(default_factory=list)
+    """Fine mode: the buckets whose optimizer step runs on the CPU (0 is the last layers' bucket)."""
+    bucket_size_mb: float = 25.0
+    """Fine mode: the parameter size that closes a bucket."""
+    dataloader_workers: Optional[int] = None
+    """DataLoader worker processes per rank (None: as the DataLoader was built)."""
+    predicted_step_s: Optional[float] = None
+    """The step time the planner predicted for this layout (information, not layout)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a clear error for a plan no run could follow (the model is checked by ``cut``)."""
+        from lightning_hetero.pipeline import resolve_schedule
+        from lightning_hetero.topology import resolve_stage_devices
+
+        if self.mode not in ("coarse", "fine"):
+            raise ValueError(f"Plan: `mode={self.mode!r}` must be 'coarse' or 'fine'.")
+        devices = resolve_stage_devices(list(self.stages))
+        if len(self.boundaries) not in (0, len(devices) - 1):
+            raise ValueError(
+                f"Plan: {len(devices)} stages need {len(devices) - 1} boundaries (where each stage after the first"
+                f" begins), but the plan gives {len(self.boundaries)}: {list(self.boundaries)}."
+            )
+        indices = [b for b in self.boundaries if isinstance(b, int)]
+        if any(b < 1 for b in indices) or indices != sorted(set(indices)):
+            raise ValueError(f"Plan: layer-index boundaries must increase and be >= 1, got {list(self.boundaries)}.")
+        _check_positive("micro_batches", self.micro_batches)
+        resolve_schedule(self.schedule, len(devices), self.micro_batches)
+        if self.cpu_workers < 0:
+            raise ValueError(f"Plan: `cpu_workers={self.cpu_workers}` must be >= 0.")
+        if self.cpu_threads is not None:
+            _check_positive("cpu_threads", self.cpu_threads)
+        if not 0.0 <= self.cpu_fraction <= 1.0:
+            raise ValueError(f"Plan: `cpu_fraction={self.cpu_fraction}` must be between 0 and 1.")
+        if self.cpu_fraction > 0 and self.cpu_workers == 0:
+            raise ValueError(f"Plan: `cpu_fraction={self.cpu_fraction}` gives the CPU a share, but `cpu_workers=0`.")
+        if any(k < 0 for k in self.offload):
+            raise ValueError(f"Plan: `offload={list(self.offload)}` must list bucket indices (integers >= 0).")
+        if self.offload and self.mode != "fine":
+            raise ValueError("Plan: offloaded buckets need `mode: fine`.")
+        if self.bucket_size_mb <= 0:
+            raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be positive.")
+        if self.dataloader_workers is not None and self.dataloader_workers < 0:
+            raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
+
+    def cut(self, layer_names: Sequence[str]) -> list[tuple[int, int]] | None:
+        """Each stage's ``[start, stop)`` layers for a model whose layers have these module names;
+        ``None`` when the plan leaves the cut to the parameter-count partition."""
+        if not self.boundaries:
+            return None
+        starts = [0]
+        for b in self.boundaries:
+            if isinstance(b, str):
+                if b not in layer_names:
+                    shown = ", ".join(layer_names[:8]) + (" ..." if len(layer_names) > 8 else "")
+                    raise ValueError(f"Plan: boundary {b!r} is not one of the model's layers ({shown}).")
+                b = list(layer_names).index(b)
+            starts.append(b)
+        if starts != sorted(set(starts)) or starts[-1] >= len(layer_names):
+            raise ValueError(
+                f"Plan: boundaries {list(self.boundaries)} do not cut the model's {len(layer_names)} layers into"
+                f" {len(starts)} non-empty stages in order."
+            )
+        return list(zip(starts, [*starts[1:], len(layer_names)]))
+
+    # ------------------------------------------------------------------ files
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+    def save(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> HeteroPlan:
+        """Read a plan from YAML; unknown keys, wrong types and impossible values are errors."""
+        try:
+            config = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.load(path))
+            return OmegaConf.to_object(config)  # type: ignore[return-value]
+        except OmegaConfBaseException as error:
+            raise ValueError(f"Plan file {path}: {error}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        """The plan as aligned ``field  value`` lines."""
+        rows = [(name, _show(value)) for name, value in self.as_dict().items()]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _check_positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"Plan: `{name}={value}` must be >= 1.")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "-"
+    return "-" if value is None else str(value)
