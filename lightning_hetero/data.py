@@ -15,10 +15,11 @@ from typing import Optional
 
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
 from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["same_batches_on_every_rank"]
+__all__ = ["same_batches_on_every_rank", "with_workers"]
 
 
 def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]) -> object:
@@ -38,3 +39,15 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
         )
     replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
     return _update_dataloader(dataloader, replacement)
+
+
+def with_workers(dataloader: object, workers: int) -> object:
+    """The same loader with ``workers`` worker processes (a plan's split of the CPU's cores)."""
+    if not isinstance(dataloader, DataLoader) or dataloader.num_workers == workers:
+        return dataloader
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
+    kwargs["num_workers"] = workers
+    if workers == 0:
+        kwargs["persistent_workers"] = False
+        kwargs["prefetch_factor"] = None
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)

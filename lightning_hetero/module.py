@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "inputs_of", "check_model_contract"]
+__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "inputs_of", "check_model_contract", "layer_names"]
 
 
 def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:
@@ -158,3 +158,9 @@ def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> Non
             " must belong to one of the layers, or the pipeline stages would never train it."
         )
 
+
+
+def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
+    """Each layer's module name in the model (``"layers.3"``), as plans name stage boundaries."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return [names[id(layer)] for layer in layers]

@@ -8,6 +8,7 @@ micro-batches of the pipeline's share of the batch.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -114,6 +115,21 @@ def _attached(outputs: Any) -> Any:
     return outputs
 
 
+class _TimedStage(PipelineStage):
+    """A ``PipelineStage`` that times its layers' forward and backward into the step's clock
+    (the schedule's sends and receives between them are not included)."""
+
+    clock: Any = None
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.device_span("stage") if self.clock is not None else nullcontext():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.clock.device_span("stage") if self.clock is not None else nullcontext():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
 class _ScaledLoss:
     """The stage's loss function: the user's mean loss times this step's weight for the pipeline's share."""
 
@@ -164,7 +180,9 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
-    def train_step(self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float) -> tuple[Any, float]:
+    def train_step(
+        self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float, clock: Any = None
+    ) -> tuple[Any, float]:
         """Forward and backward over the share; on the last stage, return the merged outputs and the
         share's mean loss (``None`` and ``nan`` on the other stages).
 
@@ -173,6 +191,7 @@ class Pipeline:
         the stage's parameters are exactly this share's contribution to the batch-mean gradient.
         """
         schedule = self._schedule(True, micro_batches, inputs)
+        schedule._stage.clock = clock
         self._loss.scale = loss_scale
         losses: list[Tensor] = []
         kwargs = {"target": move_data_to_device(targets, self.device), "losses": losses} if self.is_last else {}
@@ -195,7 +214,7 @@ class Pipeline:
         key = (train, micro_batches, _layout(inputs))
         schedule = self._schedules.get(key)
         if schedule is None:
-            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+            stage = _TimedStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
             loss = self._loss if train else None
             cls = self.schedule_cls
             if micro_batches < min_micro_batches(cls, self.num_stages):

@@ -55,13 +55,16 @@ class HeteroPlan:
         self.validate()
 
     def validate(self) -> None:
-        """Raise a clear error for a plan no run could follow (the model is checked by ``cut``)."""
+        """Raise a clear error for a plan no run could follow. The model is checked by ``cut``, and
+        the devices' existence when a strategy takes the plan (it may be for another machine)."""
         from lightning_hetero.pipeline import resolve_schedule
-        from lightning_hetero.topology import resolve_stage_devices
+        from lightning_hetero.topology import parse_device
 
         if self.mode not in ("coarse", "fine"):
             raise ValueError(f"Plan: `mode={self.mode!r}` must be 'coarse' or 'fine'.")
-        devices = resolve_stage_devices(list(self.stages))
+        if not self.stages:
+            raise ValueError("Plan: `stages` is empty; a run needs at least one pipeline stage.")
+        devices = [parse_device(d) for d in self.stages]
         if len(self.boundaries) not in (0, len(devices) - 1):
             raise ValueError(
                 f"Plan: {len(devices)} stages need {len(devices) - 1} boundaries (where each stage after the first"

@@ -2,7 +2,11 @@
 
 A stage rank keeps its own layers on its device and the others on the ``meta`` device (shape
 only, no memory). In fine mode, offloaded buckets keep their optimizer state outside the
-optimizer; checkpoints still hold every parameter's state in torch's ordinary format. Where a CPU worker exists, global rank 0 is one and holds the whole model and
+optimizer; checkpoints still hold every parameter's state in torch's ordinary format.
+
+A CPU worker that had no share of the last optimizer steps kept out of their gradient sums, so
+its replica is stale; ``refresh_replicas`` brings it up to date from the stages before it is
+used again (a share of a batch, a checkpoint, the end of training). Where a CPU worker exists, global rank 0 is one and holds the whole model and
 optimizer state, so checkpoints need nothing from here. Without a CPU worker, rank 0 is stage 0,
 and these helpers gather the stages' slices into one ordinary state dict, keyed exactly as a
 single-process model's, which a plain ``Trainer`` loads.
@@ -11,7 +15,7 @@ single-process model's, which a plain ``Trainer`` loads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 
 __all__ = [
+    "refresh_replicas",
     "gather_module_state",
     "gather_optimizer_state",
     "move_materialized",
@@ -95,3 +100,42 @@ def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], 
     optimizer.load_state_dict({"state": mine, "param_groups": state_dict["param_groups"]})
     for step, states in theirs.items():
         step.load_state(states)
+
+
+
+def refresh_replicas(
+    is_cpu_worker: bool,
+    sync_groups: Sequence[dist.ProcessGroup | None],
+    stage_ranks: Sequence[int],
+    stage_params: Sequence[Sequence[nn.Parameter]],
+    optimizer: Optional[Optimizer],
+    steps: Sequence[BucketStep],
+) -> None:
+    """Every stage sends its parameters and their optimizer state to the CPU workers, which take
+    them into their replica (a collective over each stage's sync group, on every member)."""
+    gathered: dict[int, Any] = {}
+    for s, group in enumerate(sync_groups):
+        if group is None:
+            continue
+        params = list(stage_params[s])
+        if params:
+            flat = torch.cat([p.detach().reshape(-1).cpu() for p in params]) if not is_cpu_worker else None
+            if flat is None:
+                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+            dist.broadcast(flat, src=stage_ranks[s], group=group)
+            if is_cpu_worker:
+                with torch.no_grad():
+                    offset = 0
+                    for p in params:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+        mine = None
+        if optimizer is not None and not is_cpu_worker:
+            mine = move_data_to_device(with_offloaded_state(optimizer, steps)["state"], "cpu")
+        box = [mine]
+        dist.broadcast_object_list(box, src=stage_ranks[s], group=group)
+        if is_cpu_worker and box[0]:
+            gathered.update(box[0])
+    if is_cpu_worker and optimizer is not None:
+        state = {"state": gathered, "param_groups": optimizer.state_dict()["param_groups"]}
+        load_with_offloaded_state(optimizer, state, steps)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
+from pathlib import Path
 import warnings
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -52,12 +54,15 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.launcher import HeteroLauncher
-from lightning_hetero.data import same_batches_on_every_rank
-from lightning_hetero.module import check_model_contract
+from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.module import check_model_contract, layer_names
+from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
+from lightning_hetero.record import Recorder, StepClock, StepRecord
 from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, merge_outputs, relog
 from lightning_hetero.shares import Shares, split_batch
 from lightning_hetero.state import (
+    refresh_replicas,
     gather_module_state,
     gather_optimizer_state,
     load_with_offloaded_state,
@@ -110,6 +115,8 @@ class HeteroStrategy(ParallelStrategy):
             first until the optimizer state left on the GPU fits in a quarter of its memory.
         bucket_size_mb: fine mode: the parameter size that closes a bucket (a bucket holds whole
             layers of one stage).
+        plan: a ``HeteroPlan`` (or the path of its YAML file) to replay: it sets every layout
+            argument above and where the layers are cut, so leave those at their defaults.
     """
 
     strategy_name = "hetero"
@@ -127,6 +134,7 @@ class HeteroStrategy(ParallelStrategy):
         timeout: Union[timedelta, float] = timedelta(minutes=5),
         offload: Union[Literal["auto", "none", "all"], Sequence[int]] = "auto",
         bucket_size_mb: float = 25.0,
+        plan: Union[HeteroPlan, str, Path, None] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -138,6 +146,30 @@ class HeteroStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if plan is not None:
+            plan = plan if isinstance(plan, HeteroPlan) else HeteroPlan.load(plan)
+            given = {
+                name: value
+                for name, value, default in (
+                    ("mode", mode, "coarse"),
+                    ("stages", stages, "auto"),
+                    ("cpu_workers", cpu_workers, 1),
+                    ("cpu_threads", cpu_threads, None),
+                    ("micro_batches", micro_batches, 4),
+                    ("schedule", schedule, "GPipe"),
+                    ("cpu_fraction", cpu_fraction, "auto"),
+                    ("offload", offload, "auto"),
+                    ("bucket_size_mb", bucket_size_mb, 25.0),
+                )
+                if value != default
+            }
+            if given:
+                raise ValueError(
+                    f"Pass the layout either as a plan or as arguments, not both: the plan sets {sorted(given)} too."
+                )
+            mode, stages, cpu_workers, cpu_threads = plan.mode, plan.stages, plan.cpu_workers, plan.cpu_threads
+            micro_batches, schedule, cpu_fraction = plan.micro_batches, plan.schedule, plan.cpu_fraction
+            offload, bucket_size_mb = plan.offload, plan.bucket_size_mb
         if mode not in ("coarse", "fine"):
             raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse' or 'fine'.")
         check_offload(offload, mode)
@@ -173,8 +205,15 @@ class HeteroStrategy(ParallelStrategy):
         self._bounds: list[tuple[int, int]] = []
         self._default_precision: Optional[Precision] = None
         self._offload = offload if isinstance(offload, str) else sorted(set(offload))
+        self._plan: Optional[HeteroPlan] = plan
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self._overlap: Optional[OverlappedSync] = None
+        self._stale = False  # CPU workers kept out of recent optimizer steps (see `_refresh_replicas`)
+        self._window_has_cpu_share = False
+        self._detached = False
+        self._recorder: Optional[Recorder] = None
+        self._clock: Optional[StepClock] = None
+        self._samples = 0
 
     # ------------------------------------------------------------------ layout
 
@@ -203,6 +242,13 @@ class HeteroStrategy(ParallelStrategy):
     def cpu_fraction(self) -> float:
         """The share of each batch the CPU workers compute."""
         return self._cpu_fraction
+
+    def set_cpu_fraction(self, fraction: float) -> None:
+        """Give the CPU workers ``fraction`` of the batches from the next one on. Every rank must
+        set the same value at the same step (decide on one rank and broadcast)."""
+        if not 0.0 <= fraction <= 1.0 or (fraction > 0 and self._cpu_workers == 0):
+            raise ValueError(f"A CPU fraction of {fraction} is not possible with {self._cpu_workers} CPU worker(s).")
+        self._cpu_fraction = float(fraction)
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
@@ -288,7 +334,10 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        return same_batches_on_every_rank(dataloader, trainer.state.stage)
+        dataloader = same_batches_on_every_rank(dataloader, trainer.state.stage)
+        if self._plan is not None and self._plan.dataloader_workers is not None:
+            dataloader = with_workers(dataloader, self._plan.dataloader_workers)
+        return dataloader
 
     @property
     @override
@@ -308,10 +357,40 @@ class HeteroStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    def _cut(self, model: nn.Module, layers: list[nn.Module]) -> list[tuple[int, int]]:
+        """Each stage's layers: where the plan cuts them, or balanced by parameter count."""
+        planned = self._plan.cut(layer_names(model, layers)) if self._plan is not None else None
+        return planned if planned is not None else partition_layers(layers, len(self._stage_devices))
+
+    def apply_plan(self, plan: HeteroPlan) -> None:
+        """Take a plan's layout for this run (the workload analyzer does this before the model is
+        cut). Its stages and CPU workers must be the run's: the processes exist already."""
+        running = (list(map(str, self._stage_devices)), self._cpu_workers, self.mode)
+        if (list(map(str, resolve_stage_devices(plan.stages))), plan.cpu_workers, plan.mode) != running:
+            raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
+        self._plan = plan
+        self._micro_batches = plan.micro_batches
+        self._schedule = resolve_schedule(plan.schedule, len(self._stage_devices), plan.micro_batches)
+        self._cpu_fraction = plan.cpu_fraction
+        self._offload = list(plan.offload) if plan.mode == "fine" else self._offload
+        self._bucket_bytes = int(plan.bucket_size_mb * 2**20)
+        if plan.cpu_threads is not None and self.role.is_cpu_worker:
+            self._cpu_threads = plan.cpu_threads
+            torch.set_num_threads(plan.cpu_threads)
+
+    @property
+    def plan(self) -> Optional[HeteroPlan]:
+        """The plan this run follows, if one was given or made by the workload analyzer."""
+        return self._plan
+
+    @property
+    def process_groups(self) -> Optional[ProcessGroups]:
+        return self._groups
+
     def check_model(self, model: LightningModule) -> list[nn.Module]:
         """Check the model contract and that the layers fill the stages; raise before any process starts."""
         layers = check_model_contract(model)
-        bounds = partition_layers(layers, len(self._stage_devices))
+        bounds = self._cut(model, layers)
         if not isinstance(self._offload, str):
             count = len(make_buckets(layers, bounds, self._bucket_bytes))
             if self._offload and self._offload[-1] >= count:
@@ -340,6 +419,7 @@ class HeteroStrategy(ParallelStrategy):
         atexit.register(_destroy_process_groups)
         self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
         self._control = self._groups.control
+        self._recorder = Recorder(self.global_rank, str(self.role), self.root_device)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(threads_for(self.role, self.topology, cores, self._cpu_threads))
         if isinstance(self.precision_plugin, MixedPrecision):
@@ -356,11 +436,14 @@ class HeteroStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._layers is None:
             self._layers = check_model_contract(module)
-            self._bounds = partition_layers(self._layers, len(self._stage_devices))
             if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
                 # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
                 _sync_module_states(module, self._control, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
             self.model = self.precision_plugin.convert_module(module)
+            analyzer = _analyzer(trainer)
+            if analyzer is not None and trainer.state.fn == TrainerFn.FITTING:
+                self.apply_plan(analyzer.plan_layout(trainer, self, self._layers))
+            self._bounds = self._cut(module, self._layers)
             self._place_model()
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
@@ -471,24 +554,41 @@ class HeteroStrategy(ParallelStrategy):
         assert self._worker is not None
         shares = self.shares(batch_size_of(batch))
         accumulate = trainer.accumulate_grad_batches
+        cpu_share = shares.pipeline_size < shares.batch_size
+        if cpu_share:
+            self._refresh_replicas()
+        if batch_idx % accumulate == 0:
+            self._window_has_cpu_share = False
+        self._window_has_cpu_share |= cpu_share
+        # CPU workers with no share of this optimizer step keep out of its sum (and step nothing).
+        detached = self._cpu_workers > 0 and self._sync_gradients and not self._window_has_cpu_share
+        self._detached = detached
         # Fine mode's last micro-batch of an optimizer step: sum and step bucket by bucket during the backward.
         if self._overlap is not None and self._sync_gradients:
             self._refresh_overlap()
-        overlap = self._overlap if self._sync_gradients else None
+        overlap = self._overlap if self._sync_gradients and not (detached and self.role.is_cpu_worker) else None
         first_of_window = batch_idx % accumulate == 0 and not _overrides(module, "optimizer_zero_grad")
         grads: GradPolicy = "accumulate" if overlap is not None else "drop" if first_of_window else "keep"
         with self.precision_plugin.train_step_context():
+            clock = self._clock
             if overlap is not None:
-                overlap.begin(self._worker.expected_grads(shares), *_clipping(trainer))
+                overlap.begin(self._worker.expected_grads(shares), *_clipping(trainer), detached=detached)
             try:
-                report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, grads)
+                report, output = self._worker.train_step(batch, batch_idx, shares, accumulate, grads, clock)
             except BaseException:
                 if overlap is not None:
                     overlap.abort()
                 raise
+            if detached and self._overlap is not None:
+                self._stale = True
             if overlap is not None:
-                overlap.finish()
-            reports = self._finish_step(report)
+                with _span(clock, "communicate"):
+                    overlap.finish()
+                if clock is not None:
+                    clock.add("optimizer", overlap.step_seconds)
+            with _span(clock, "wait"):
+                reports = self._finish_step(report)
+        self._samples = shares.pipeline_size if self.role.is_stage else report.samples
         combined = combine_loss(reports)
         assert combined is not None
         value, dtype = combined
@@ -512,8 +612,75 @@ class HeteroStrategy(ParallelStrategy):
             add_grads(self._worker.params, self._worker.fresh_grads)
             self._worker.fresh_grads = None
         if self._sync_gradients and self._overlap is None:
-            self._grad_sync.all_reduce()
-        return self.precision_plugin.post_backward(closure_loss, module)
+            if self._detached:
+                self._stale = True
+            if not (self._detached and self.role.is_cpu_worker):
+                with _span(self._clock, "communicate"):
+                    self._grad_sync.all_reduce(detached=self._detached)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        if not self._sync_gradients:
+            self._end_step_record()  # accumulating: no optimizer step follows this batch
+        return closure_loss
+
+    @property
+    def replica_is_current(self) -> bool:
+        """False on a CPU worker that kept out of recent optimizer steps (it had no share of their
+        batches): its replica is refreshed from the stages before it is used again."""
+        return not (self.role.is_cpu_worker and self._stale)
+
+    def _refresh_replicas(self) -> None:
+        """Bring stale CPU-worker replicas up to date from the stages (collective; a no-op unless
+        the CPU workers kept out of optimizer steps since they last took part)."""
+        if not self._stale:
+            return
+        assert self._groups is not None
+        stage_params = [self._stage_params(s) for s in range(len(self._stage_devices))]
+        ranks = self.topology.stage_ranks(self.node_rank)
+        optimizer = self.optimizers[0] if self.optimizers else None
+        refresh_replicas(self.role.is_cpu_worker, self._groups.sync, ranks, stage_params, optimizer, self.bucket_steps)
+        self._stale = False
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._recorder is not None:
+            self._clock = self._recorder.begin()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # Time what follows the closure (training step and backward): clipping and the step itself.
+        inside = 0.0
+
+        def timed_closure() -> Any:
+            nonlocal inside
+            start = time.perf_counter()
+            try:
+                return closure()
+            finally:
+                inside = time.perf_counter() - start
+
+        start = time.perf_counter()
+        result = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        if self._clock is not None:
+            self._clock.add("optimizer", time.perf_counter() - start - inside)
+        self._end_step_record()
+        return result
+
+    def _end_step_record(self) -> None:
+        if self._recorder is not None and self._clock is not None:
+            self._recorder.end(self.lightning_module.trainer.global_step, self._samples)
+            self._clock = None
+
+    @property
+    def step_records(self) -> list[StepRecord]:
+        """This rank's recent training steps: what it computed, communicated, stepped and waited for."""
+        return list(self._recorder.records) if self._recorder is not None else []
+
+    def gather_step_records(self) -> list[Optional[StepRecord]]:
+        """Every rank's latest step record, on every rank (a collective: call it on all ranks)."""
+        records: list[Any] = [None] * dist.get_world_size(self._control)
+        mine = self._recorder.last if self._recorder is not None else None
+        dist.all_gather_object(records, mine, group=self._control)
+        return records
 
     @contextmanager
     @override
@@ -556,8 +723,11 @@ class HeteroStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
         assert self._worker is not None
+        shares = self.shares(batch_size_of(batch))
+        if shares.pipeline_size < shares.batch_size:
+            self._refresh_replicas()
         with self.precision_plugin.predict_step_context():
-            report, output = self._worker.eval_step("predict_step", batch, rest, self.shares(batch_size_of(batch)))
+            report, output = self._worker.eval_step("predict_step", batch, rest, shares)
         # Each node's first rank assembles the node's batch from its workers' shares, in batch order.
         assert self._groups is not None
         first = self.topology.node_ranks(self.node_rank)[0]
@@ -569,8 +739,11 @@ class HeteroStrategy(ParallelStrategy):
     def _eval_step(self, method: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
         assert self._worker is not None
+        shares = self.shares(batch_size_of(batch))
+        if shares.pipeline_size < shares.batch_size:
+            self._refresh_replicas()
         with context():
-            report, output = self._worker.eval_step(method, batch, rest, self.shares(batch_size_of(batch)))
+            report, output = self._worker.eval_step(method, batch, rest, shares)
             self._finish_step(report)
         return output
 
@@ -610,6 +783,7 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._refresh_replicas()  # every rank calls this when a checkpoint is written
         if self._rank_zero_has_everything or self._layers is None:
             return super().lightning_module_state_dict()
         return gather_module_state(self.lightning_module, self._control)
@@ -639,8 +813,10 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        # Without a CPU worker, rank 0 is stage 0: gather the whole model there, so that the
-        # launcher hands the trained weights back to the main process.
+        # Rank 0 must hold the whole trained model: bring a stale CPU worker up to date; without a
+        # CPU worker, rank 0 is stage 0: gather the whole model there. (The launcher hands rank
+        # 0's weights back to the main process.)
+        self._refresh_replicas()
         if self._rank_zero_has_everything or self._layers is None:
             return
         module = self.lightning_module
@@ -776,3 +952,13 @@ def _clip_with(plugin: Precision, strategy: "HeteroStrategy") -> None:
     the norm over all stages, not this rank's slice, and fine mode leaves no gradients to clip."""
     plugin.clip_grad_by_norm = strategy._clip_grad_by_norm  # type: ignore[method-assign]
     plugin.clip_grad_by_value = strategy._clip_grad_by_value  # type: ignore[method-assign]
+
+
+def _span(clock: Optional[StepClock], kind: str) -> Any:
+    return clock.span(kind) if clock is not None else nullcontext()
+
+
+def _analyzer(trainer: "pl.Trainer") -> Any:
+    from lightning_hetero.callbacks.analyzer import WorkloadAnalyzer
+
+    return next((cb for cb in trainer.callbacks if isinstance(cb, WorkloadAnalyzer)), None)

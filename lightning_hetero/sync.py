@@ -18,7 +18,9 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Union
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -151,8 +153,11 @@ class GradientSync:
         params = [p for params, _ in buckets for p in params]
         self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
 
-    def all_reduce(self) -> None:
-        _all_reduce(self._buckets)
+    def all_reduce(self, detached: bool = False) -> None:
+        """Sum with the CPU workers (unless they are ``detached``: they had no share of the batch,
+        and keep out), then average over nodes."""
+        if not detached:
+            _all_reduce(self._buckets)
         if self._nodes is not None:
             _all_reduce([self._nodes])
 
@@ -197,16 +202,20 @@ class Bucket:
     """``[start, stop)`` into ``pipeline_layers()``."""
 
 
-def make_buckets(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], bucket_bytes: int) -> list[Bucket]:
+def make_buckets(
+    layers: Sequence[Union[nn.Module, int]], bounds: Sequence[tuple[int, int]], bucket_bytes: int
+) -> list[Bucket]:
     """Cut each stage's layers, from its last layer back, into buckets of at least ``bucket_bytes``
     of parameters counted as float32, whatever the run's precision (the stage's first bucket
-    takes what remains); bucket 0 is the model's last."""
+    takes what remains); bucket 0 is the model's last. ``layers`` may give each layer's
+    parameter count instead of the layer."""
+    counts = [n if isinstance(n, int) else sum(p.numel() for p in n.parameters()) for n in layers]
     buckets: list[Bucket] = []
     for stage in reversed(range(len(bounds))):
         start, stop = bounds[stage]
         top, size = stop, 0
         for i in range(stop - 1, start - 1, -1):
-            size += 4 * sum(p.numel() for p in layers[i].parameters())
+            size += 4 * counts[i]
             if size >= bucket_bytes and i > start:
                 buckets.append(Bucket(len(buckets), stage, (i, top)))
                 top, size = i, 0
@@ -256,25 +265,30 @@ class OverlappedSync:
         """Buckets started while the last backward was still running (the rest went after it)."""
         self.stepped_early = 0
         """Buckets whose step had finished before the last backward returned."""
+        self.step_seconds = 0.0
+        """Time the bucket steps of the last optimizer step took (in the step thread, overlapped)."""
 
     @property
     def steps(self) -> list[Any]:
         """The step of each of this rank's buckets, in bucket order."""
         return list(self._steps)
 
-    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None) -> None:
-        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients."""
+    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
+        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients;
+        ``detached``: the CPU workers had no share of this optimizer step and do not sum."""
         for k, params in enumerate(self._params):
             for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
                 if p.requires_grad and p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(partial(self._arrived, k))
         self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
+        self._detached = detached
         self._counts: dict[nn.Parameter, int] = {}
         self._missing = [sum(p.requires_grad for p in params) for params in self._params]
         self._next = 0
         self._done: list[Future] = []
         self._backward_over = False
         self._stepped_in_backward = 0
+        self.step_seconds = 0.0
         self._armed = True
         self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
 
@@ -288,10 +302,12 @@ class OverlappedSync:
             done.result()
         self.stepped_early = self._stepped_in_backward
         if self._clip_norm is not None:
+            start = time.perf_counter()
             holders = [h for step in self._steps for h in step.grad_holders() if h.grad is not None]
             clip_to_norm(holders, self._clip_norm, self._norm([h.grad for h in holders]))
             for step in self._steps:
                 step.step()
+            self.step_seconds += time.perf_counter() - start
         for step in self._steps:
             step.after_all_steps()
 
@@ -328,7 +344,7 @@ class OverlappedSync:
         """Start the next buckets in order, as long as they are complete (or all of them)."""
         while self._next < len(self._steps) and (everything or self._missing[self._next] == 0):
             k, ready = self._next, None
-            if self._device is not None and self._sums[k] is not None:
+            if self._device is not None and self._sums[k] is not None and not self._detached:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self._device))
             started = self._starter.submit(self._start_sum, k, ready)
@@ -337,7 +353,7 @@ class OverlappedSync:
 
     def _start_sum(self, k: int, ready: Any) -> Any:
         flat = self._sums[k]
-        if flat is None:
+        if flat is None or self._detached:
             return None
         return dist.all_reduce(flat.pack(ready), group=flat.group, async_op=True)
 
@@ -353,11 +369,13 @@ class OverlappedSync:
             nodes.unpack(step.gradient_destination)
         if self._clip_norm is not None:
             return
+        start = time.perf_counter()
         if self._clip_value is not None:
             holders = [h for h in step.grad_holders() if h.grad is not None]
             if holders:
                 torch.nn.utils.clip_grad_value_(holders, self._clip_value)
         step.step()
+        self.step_seconds += time.perf_counter() - start
         if not self._backward_over:
             self._stepped_in_backward += 1
 

@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 
-__all__ = ["Role", "Topology", "ProcessGroups", "resolve_stage_devices", "build_process_groups", "threads_for"]
+__all__ = [
+    "Role",
+    "Topology",
+    "ProcessGroups",
+    "parse_device",
+    "resolve_stage_devices",
+    "build_process_groups",
+    "threads_for",
+]
 
 StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
 
@@ -151,7 +159,7 @@ def resolve_stage_devices(stages: StagesArg) -> tuple[torch.device, ...]:
     devices = []
     next_gpu = 0
     for item in stages:
-        device = _parse_device(item)
+        device = parse_device(item)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", next_gpu)
         if device.type == "cuda":
@@ -167,7 +175,8 @@ def resolve_stage_devices(stages: StagesArg) -> tuple[torch.device, ...]:
     return tuple(devices)
 
 
-def _parse_device(item: Union[str, int, torch.device]) -> torch.device:
+def parse_device(item: Union[str, int, torch.device]) -> torch.device:
+    """A stage device from its name, checked for form (not for existence on this machine)."""
     if isinstance(item, torch.device):
         device = item
     elif isinstance(item, int) and not isinstance(item, bool):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, Callable, Literal
 
 import torch
@@ -117,13 +118,14 @@ class CpuWorker(_Worker):
         return 1 if stop > start else 0
 
     def train_step(
-        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
     ) -> tuple[WorkerReport, Any]:
         start, stop = shares.cpu[self.index]
         if start == stop:
             self._train(lambda: None, grads)
             return WorkerReport(), None
 
+        @_timed(clock, "compute")
         def compute() -> tuple[WorkerReport, Any]:
             share = slice_batch(batch, start, stop)
             report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
@@ -152,7 +154,7 @@ class StageWorker(_Worker):
         return shares.micro_batches if shares.pipeline_size else 0
 
     def train_step(
-        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
     ) -> tuple[WorkerReport, Any]:
         start, stop = shares.pipeline
         if start == stop:
@@ -161,12 +163,16 @@ class StageWorker(_Worker):
         share = slice_batch(batch, start, stop)
         inputs, targets = split_inputs_targets(share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
-        outputs, pipeline_loss = self._train(
-            lambda: self.pipeline.train_step(inputs, targets, shares.micro_batches, scale), grads
-        )
+
+        @_timed(clock, "pipeline")
+        def compute() -> tuple[Any, float]:
+            return self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+
+        outputs, pipeline_loss = self._train(compute, grads)
         if not self.pipeline.is_last:
             return WorkerReport(), None
-        report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
+        with clock.span("compute") if clock is not None else nullcontext():
+            report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
         _check_same_loss(type(self.module).__name__, report, pipeline_loss)
         return report, output
 
@@ -202,6 +208,21 @@ class StageWorker(_Worker):
                 " on its stages."
             )
         return report, output
+
+
+def _timed(clock: Any, kind: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """Decorate a step's work so it is timed into ``clock`` as ``kind`` (not at all without one)."""
+
+    def wrap(work: Callable[[], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            if clock is None:
+                return work()
+            with clock.span(kind):
+                return work()
+
+        return timed
+
+    return wrap
 
 
 def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> None:

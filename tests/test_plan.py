@@ -1,0 +1,100 @@
+"""HeteroPlan: one description of a run's layout, validated, round-tripped through YAML, replayed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_hetero import HeteroPlan, HeteroStrategy
+from tests.conftest import hetero, trainer
+from tests.models import Net, regression_data
+
+NAMES = [f"layers.{i}" for i in range(6)]
+
+
+def a_plan(**changes) -> HeteroPlan:
+    fields = dict(mode="fine", stages=["cpu", "cpu", "cpu"], boundaries=[2, "layers.4"], micro_batches=3,
+                  schedule="1F1B", cpu_workers=2, cpu_threads=1, cpu_fraction=0.25, offload=[0, 2],
+                  bucket_size_mb=1.5, dataloader_workers=1, predicted_step_s=0.012)
+    fields.update(changes)
+    return HeteroPlan(**fields)
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    plan = a_plan()
+    assert HeteroPlan.load(plan.save(tmp_path / "plan.yaml")) == plan
+
+
+def test_cut_by_index_or_module_name() -> None:
+    assert a_plan().cut(NAMES) == [(0, 2), (2, 4), (4, 6)]
+    assert a_plan(boundaries=[]).cut(NAMES) is None
+
+
+def test_table_is_readable() -> None:
+    table = a_plan().table()
+    assert "cpu_fraction        0.25" in table and "boundaries          2, layers.4" in table
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"boundaries": [2]}, "3 stages need 2 boundaries"),
+        ({"boundaries": [3, 2]}, "layer-index boundaries must increase"),
+        ({"schedule": "Foo"}, "Unknown schedule name 'Foo'"),
+        ({"cpu_fraction": 1.5}, "`cpu_fraction=1.5` must be between 0 and 1"),
+        ({"cpu_workers": 0}, "gives the CPU a share, but `cpu_workers=0`"),
+        ({"stages": ["cpu", "tpu", "cpu"]}, "Stage device 'tpu' is not a device name"),
+        ({"mode": "coarse"}, "offloaded buckets need `mode: fine`"),
+        ({"micro_batches": 0}, "`micro_batches=0` must be >= 1"),
+    ],
+)
+def test_invalid_plans(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        a_plan(**changes)
+
+
+def test_invalid_plan_files(tmp_path: Path) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text(a_plan().to_yaml().replace("micro_batches: 3", "micro_batches: three"))
+    with pytest.raises(ValueError, match="could not be converted to Integer"):
+        HeteroPlan.load(path)
+    path.write_text(a_plan().to_yaml() + "pipeline_depth: 2\n")
+    with pytest.raises(ValueError, match="Key 'pipeline_depth' not in 'HeteroPlan'"):
+        HeteroPlan.load(path)
+
+
+def test_boundaries_must_fit_the_model(no_processes: None) -> None:
+    with pytest.raises(ValueError, match=re.escape("boundary 'blocks.3' is not one of the model's layers")):
+        trainer(HeteroStrategy(plan=a_plan(boundaries=[2, "blocks.3"])), max_steps=1).fit(Net(), regression_data())
+    with pytest.raises(ValueError, match=re.escape("do not cut the model's 6 layers into 3 non-empty stages")):
+        trainer(HeteroStrategy(plan=a_plan(boundaries=[2, 6])), max_steps=1).fit(Net(), regression_data())
+
+
+def test_plan_or_arguments_not_both(no_processes: None) -> None:
+    with pytest.raises(ValueError, match=re.escape("the plan sets ['micro_batches'] too")):
+        HeteroStrategy(plan=a_plan(), micro_batches=2)
+
+
+def test_a_plan_for_another_machine_names_its_missing_device() -> None:
+    plan = a_plan(stages=["cuda:0", "cuda:1", "cuda:2"])  # a valid plan ...
+    with pytest.raises(ValueError, match="is a GPU, but CUDA is not available"):
+        HeteroStrategy(plan=plan)  # ... that this machine cannot run
+
+
+def test_replayed_plan_lays_out_the_run_exactly(tmp_path: Path) -> None:
+    plan = a_plan(mode="coarse", offload=[], dataloader_workers=None)
+    strategy = HeteroStrategy(plan=plan.save(tmp_path / "plan.yaml"), start_method="fork", timeout=60)
+    assert (strategy.cpu_fraction, strategy.mode, strategy.topology.cpu_workers) == (0.25, "coarse", 2)
+    from tests.test_registration import RecordLayout
+
+    trainer(strategy, max_steps=2, callbacks=[RecordLayout(tmp_path)]).fit(Net(), regression_data())
+    import json
+
+    held = [json.loads((tmp_path / f"rank{r}.json").read_text())["params"] for r in range(2, 5)]
+    assert held == [
+        ["layers.0.bias", "layers.0.weight"],  # layers 0-1
+        ["layers.2.bias", "layers.2.weight"],  # layers 2-3
+        ["layers.4.bias", "layers.4.weight"],  # layers 4-5
+    ]
