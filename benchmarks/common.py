@@ -65,6 +65,42 @@ class MLP(PipelineModule, L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused_adam or None)
 
 
+class CNN(PipelineModule, L.LightningModule):
+    """A small convolutional classifier on ``size`` x ``size`` images (digits-like at 8)."""
+
+    def __init__(self, channels: int = 64, size: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            [
+                nn.Conv2d(1, channels, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(channels, channels, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(channels, 2 * channels, 3, padding=1, stride=2),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(2 * channels * (size // 2) ** 2, classes),
+            ]
+        )
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def image_loader(samples: int, batch_size: int, size: int = 16, classes: int = 10) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(samples, 1, size, size, generator=g)
+    data = TensorDataset(images, torch.randint(0, classes, (samples,), generator=g))
+    return DataLoader(data, batch_size=batch_size, drop_last=True)
+
+
 def synthetic_loader(samples: int, batch_size: int, features: int = 64) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(samples, features, generator=g), torch.randn(samples, 1, generator=g))

@@ -1,0 +1,310 @@
+"""``WorkloadAnalyzer``: measure the workload at fit start, plan the run, and check the plan.
+
+Before the strategy cuts the model into stages, every process profiles every layer on its own
+device (a stage's GPU, an emulated stage's CPU process, the CPU worker with its threads) with the
+real first batch, and the links it uses; global rank 0 plans from those measurements and every
+rank applies the same plan. The plan and its predicted step time are logged (hyperparameters,
+wandb config), written next to the logs with the profile, and explained as a table; once
+training runs, the measured step time is logged beside the prediction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_hetero.module import inputs_of, layer_names
+from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.planner import Machine, Prediction, explain, plan_run, split_cores
+from lightning_hetero.profiling import (
+    DeviceTimes,
+    LinkProfile,
+    Profile,
+    all_reduce_over,
+    gradient_sum_over,
+    optimizer_state_factor,
+    profile_layers,
+    time_link,
+    time_optimizer,
+)
+from lightning_hetero.results import WorkerReport, exchange
+from lightning_hetero.workers import batch_size_of
+
+if TYPE_CHECKING:
+    from lightning_hetero.strategy import HeteroStrategy
+
+__all__ = ["WorkloadAnalyzer"]
+
+_SCHEDULE_NAMES = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
+_WARMUP_STEPS = 3
+
+
+class WorkloadAnalyzer(L.Callback):
+    """Profile every layer on every device at fit start, plan the layout, apply it, and explain it.
+
+    Args:
+        repeats: timings per measurement, after one warm-up; the median is kept.
+        max_micro_batches: the most micro-batches the planner considers.
+        measure_steps: training steps (after a warm-up of three) whose median step time is logged
+            beside the predicted one.
+        memory_fraction: the share of each GPU's memory the planner may fill.
+        save_dir: where ``plan.yaml``, ``profile.json`` and ``explain.txt`` go (default: the
+            trainer's log directory).
+    """
+
+    def __init__(
+        self,
+        repeats: int = 3,
+        max_micro_batches: int = 8,
+        measure_steps: int = 20,
+        memory_fraction: float = 0.9,
+        save_dir: Optional[str] = None,
+    ) -> None:
+        self.repeats = repeats
+        self.max_micro_batches = max_micro_batches
+        self.measure_steps = measure_steps
+        self.memory_fraction = memory_fraction
+        self.save_dir = save_dir
+        self.plan: Optional[HeteroPlan] = None
+        self.prediction: Optional[Prediction] = None
+        self.profile: Optional[Profile] = None
+        self.measured_step_s: Optional[float] = None
+        self._steps: list[float] = []
+
+    # ------------------------------------------------------------ planning
+
+    def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
+        """Profile on every rank, plan on rank 0, and return the plan on every rank (collective).
+
+        Called by the strategy after the model is in the run's precision and before it is cut."""
+        module = trainer.lightning_module
+        batch = strategy.precision_plugin.convert_input(next(iter(trainer.fit_loop._data_source.dataloader())))
+        batch_size = batch_size_of(batch)
+        mine = self._measure(strategy, module, layers, inputs_of(batch), batch_size)
+        assert strategy.process_groups is not None
+        control = strategy.process_groups.control
+        parts: Optional[list[Any]] = [None] * dist.get_world_size(control) if strategy.global_rank == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=control)
+        result: list[Any] = [None]
+        if strategy.global_rank == 0:
+            assert parts is not None
+            result = [self._plan(trainer, strategy, parts, batch_size)]
+        dist.broadcast_object_list(result, src=0, group=control)
+        self.plan, self.prediction, self.profile = result[0]
+        return self.plan
+
+    def _measure(
+        self, strategy: "HeteroStrategy", module: nn.Module, layers: list[nn.Module], inputs: Any, batch_size: int
+    ) -> dict[str, Any]:
+        """This rank's share of the profile: its device's layer times, and the links it is on."""
+        device, role = strategy.root_device, strategy.role
+        sizes = (max(1, batch_size // self.max_micro_batches), batch_size)
+        optimizer = _init_optimizers_and_lr_schedulers(module)[0]
+        optimizer = optimizer[0] if optimizer else None
+        shapes = [p.shape for layer in layers for p in layer.parameters() if p.requires_grad]
+        control = strategy.process_groups.control  # type: ignore[union-attr]
+        # One rank at a time: processes that share the CPU's cores (CPU workers, emulated stages,
+        # every GPU stage's host thread) would otherwise measure each other.
+        for turn in range(dist.get_world_size(control)):
+            if turn == strategy.global_rank:
+                names = layer_names(module, layers)
+                forward, backward, described = profile_layers(layers, names, inputs, device, sizes, self.repeats)
+                times = DeviceTimes(
+                    device=_describe(device),
+                    threads=torch.get_num_threads(),
+                    forward=forward,
+                    backward=backward,
+                    optimizer_s_per_param=_optimizer_rate(optimizer, shapes, device, fused_cpu=False),
+                    offloaded_s_per_param=_optimizer_rate(optimizer, shapes, torch.device("cpu"), fused_cpu=True),
+                )
+            dist.barrier(group=control)
+        gradient_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+        links = self._measure_links(strategy, sum(layer.param_bytes for layer in described), gradient_bytes)
+        exchange_s = self._exchange_time(strategy)
+        memory = None
+        if device.type == "cuda":
+            memory = self.memory_fraction * torch.cuda.get_device_properties(device).total_memory
+        return {
+            "role": "cpu" if role.is_cpu_worker else f"stage{role.index}",
+            "times": times,
+            "layers": described,
+            "links": links,
+            "memory": memory,
+            "state_factor": optimizer_state_factor(optimizer),
+            "exchange_s": exchange_s,
+        }
+
+    def _exchange_time(self, strategy: "HeteroStrategy") -> float:
+        """Seconds to share a step's results (loss and a few logged values) between the ranks."""
+        report = WorkerReport(samples=1, loss=0.0, loss_dtype=torch.float32, logs=[])
+        control = strategy.process_groups.control  # type: ignore[union-attr]
+        times = []
+        for _ in range(self.repeats + 1):
+            start = time.perf_counter()
+            exchange(report, control)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    def _measure_links(self, strategy: "HeteroStrategy", model_bytes: int, layer_bytes: int) -> dict[str, LinkProfile]:
+        """Every rank takes part in the measurements of the groups it is in, in the same order.
+        Transfers are timed at a small size and at about the size they carry in the run (the
+        model's gradients for the sum, a layer's for host copies), where their bandwidth is."""
+        groups = strategy.process_groups
+        assert groups is not None
+        links: dict[str, LinkProfile] = {}
+        cpu = torch.device("cpu")
+        sizes = (1 << 14, max(1 << 16, min(1 << 24, model_bytes // 4 // max(1, len(groups.sync)))))
+        for group in groups.sync:
+            if group is not None:
+                link = time_link(gradient_sum_over(group), cpu, sizes, repeats=self.repeats)
+                if strategy.role.is_stage:
+                    links["sync"] = link
+        if groups.stage is not None and strategy.role.is_stage and len(strategy.topology.stage_devices) > 1:
+            device = strategy.root_device
+            links["pipeline"] = time_link(all_reduce_over(groups.stage), device, repeats=self.repeats)
+        if strategy.root_device.type == "cuda" and strategy.role.is_stage:
+            numel = max(1 << 16, min(1 << 24, layer_bytes // 4))
+            pinned = torch.empty(numel, pin_memory=True)
+            copy = lambda b: pinned[: b.numel()].copy_(b)  # noqa: E731
+            links["d2h"] = time_link(copy, strategy.root_device, (1 << 14, numel), repeats=self.repeats)
+        return links
+
+    def _plan(
+        self, trainer: L.Trainer, strategy: "HeteroStrategy", parts: list[dict[str, Any]], batch_size: int
+    ) -> tuple[HeteroPlan, Prediction, Profile]:
+        """Rank 0: assemble the profile, plan, and split the cores between loading and compute."""
+        devices: dict[str, DeviceTimes] = {}
+        links: dict[str, LinkProfile] = {}
+        memory: dict[str, float] = {}
+        for part in parts:
+            devices.setdefault(part["role"], part["times"])
+            for name, link in part["links"].items():
+                links.setdefault(name, link)
+            if part["memory"] is not None:
+                memory[part["role"]] = part["memory"]
+        load_s = self._load_time(trainer)
+        profile = Profile(
+            batch_size=batch_size,
+            layers=parts[0]["layers"],
+            devices=devices,
+            links=links,
+            optimizer_state_factor=parts[0]["state_factor"],
+            cpu_cores=os.cpu_count() or 1,
+            device_memory=memory,
+            step_overhead_s=load_s + max(part["exchange_s"] for part in parts),
+        )
+        topology = strategy.topology
+        machine = Machine.as_profiled(profile, [str(d) for d in topology.stage_devices], topology.cpu_workers)
+        machine.cpu_threads = strategy._cpu_threads
+        schedule = _SCHEDULE_NAMES.get(strategy._schedule.__name__, strategy._schedule.__name__)
+        plan, prediction = plan_run(
+            profile,
+            machine,
+            batch_size,
+            mode=strategy.mode,
+            schedule=schedule,
+            max_micro_batches=self.max_micro_batches,
+            bucket_size_mb=strategy._bucket_bytes / 2**20,
+        )
+        cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
+        workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
+        if workers:
+            plan.dataloader_workers, plan.cpu_threads = workers, threads
+        return plan, prediction, profile
+
+    def _load_time(self, trainer: L.Trainer, batches: int = 3) -> float:
+        """Seconds the training process takes to load a batch itself (median of a few)."""
+        loader = trainer.fit_loop._data_source.dataloader()
+        iterator, times = iter(loader), []
+        for _ in range(batches):
+            start = time.perf_counter()
+            try:
+                next(iterator)
+            except StopIteration:
+                break
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) if times else 0.0
+
+    # -------------------------------------------------------------- hooks
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.plan is None or self.prediction is None or self.profile is None:
+            return
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"hetero_plan": self.plan.as_dict(), "hetero_predicted_step_s": self.prediction.step_s})
+        directory = self._directory(trainer)  # every rank: `trainer.log_dir` is a collective
+        if trainer.is_global_zero:
+            self.plan.save(directory / "plan.yaml")
+            self.profile.save(directory / "profile.json")
+            table = self.explanation()
+            (directory / "explain.txt").write_text(table + "\n")
+            rank_zero_info(f"WorkloadAnalyzer plan (also in {directory}):\n{self.plan.table()}\n\n{table}")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.prediction is None or self.measured_step_s is not None:
+            return
+        record = trainer.strategy.step_records[-1] if trainer.strategy.step_records else None
+        if record is None or record.step < _WARMUP_STEPS:
+            return
+        self._steps.append(record.total)
+        if len(self._steps) < self.measure_steps:
+            return
+        self.measured_step_s = statistics.median(self._steps)
+        metrics = {
+            "analyzer/predicted_step_s": self.prediction.step_s,
+            "analyzer/measured_step_s": self.measured_step_s,
+            "analyzer/prediction_error": self.measured_step_s / self.prediction.step_s - 1,
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        directory = self._directory(trainer)
+        if trainer.is_global_zero:
+            table = self.explanation()
+            (directory / "explain.txt").write_text(table + "\n")
+            rank_zero_info(f"WorkloadAnalyzer, predicted vs measured:\n{table}")
+
+    def explanation(self) -> str:
+        """Per layer: its time on each device and where it was placed; the predicted step time, and
+        the measured one once training has run."""
+        assert self.profile is not None and self.plan is not None and self.prediction is not None
+        return explain(self.profile, self.plan, self.prediction, self.measured_step_s)
+
+    def _directory(self, trainer: L.Trainer) -> Path:
+        """Where the plan goes; a collective (``trainer.log_dir``): call it on every rank."""
+        directory = Path(self.save_dir or trainer.log_dir or trainer.default_root_dir)
+        if trainer.is_global_zero:
+            directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)
+
+
+def _optimizer_rate(
+    optimizer: Optional[torch.optim.Optimizer], shapes: list[torch.Size], device: torch.device, fused_cpu: bool
+) -> float:
+    """Seconds per parameter of the user's optimizer on ``device`` (its fused CPU form if asked),
+    stepping parameters of the model's shapes."""
+    if optimizer is None:
+        return 0.0
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "lr"}
+    if fused_cpu:
+        if "fused" not in accepted:
+            return time_optimizer(type(optimizer), device, shapes=shapes, **kwargs)
+        kwargs.update(fused=True, foreach=None)
+    return time_optimizer(type(optimizer), device, shapes=shapes, **kwargs)

@@ -1,0 +1,515 @@
+"""Turning a profile into a plan: where to cut the layers, how many micro-batches, how much of each
+batch the CPU computes, which fine-mode buckets to offload, and how to split the CPU's cores.
+
+The cost model (all times from the profile, scaled by each device's relative speed):
+
+- a stage's time per micro-batch of ``u`` samples is its layers' forward and backward at ``u``,
+  plus sending its output (and receiving the gradient back) over the pipeline link;
+- the pipeline's share, cut into ``m`` micro-batches on ``p`` stages, takes ``(m + p - 1)`` times
+  the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble);
+- each CPU worker computes its part of the CPU's share with the whole model;
+- the gradient sum costs one all-reduce per stage over the sync link (none when the CPU's share
+  is 0: an idle CPU worker does not take part), and the optimizer steps run in parallel;
+- coarse mode adds sum and step after the slower side; fine mode hides them behind the last
+  micro-batch's backward, as far as it reaches;
+- every step also pays the profile's fixed overhead (loading the batch, sharing the results).
+
+Solvers: the partition is a dynamic program over contiguous cuts minimizing the slowest stage
+within each stage's memory; the micro-batch count and the pipeline's share are searched
+exhaustively; the offload set is the largest set of buckets a CPU thread can step, in bucket
+order, before the backward ends (an exact search over the Pareto front of finish time and bytes),
+with more buckets offloaded where the device's memory needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
+
+__all__ = [
+    "Machine",
+    "Prediction",
+    "StageCosts",
+    "partition",
+    "pipeline_time",
+    "choose_offload",
+    "offload_plan",
+    "split_cores",
+    "plan_run",
+    "predict",
+    "explain",
+    "hypothetical_machine",
+    "main",
+]
+
+_FREE_LINK = LinkProfile(latency=0.0, bytes_per_s=float("inf"))
+
+
+@dataclass
+class Machine:
+    """The devices a plan is for, as roles of the profile scaled by a relative speed."""
+
+    stages: list[str]
+    """For each stage, the profile role whose timings it has (e.g. ``"stage0"``) ..."""
+    stage_names: list[str]
+    """... and the device the plan will name (``"cuda:0"``, ``"cpu"``)."""
+    stage_speed: list[float] = field(default_factory=list)
+    """Relative speed of each stage's device (1: as profiled)."""
+    memory: list[Optional[float]] = field(default_factory=list)
+    """Bytes each stage may use (None: unlimited)."""
+    cpu_workers: int = 1
+    cpu_speed: float = 1.0
+    """Relative speed of each CPU worker (1: as profiled)."""
+    cpu_threads: Optional[int] = None
+    sync: LinkProfile = field(default_factory=lambda: _FREE_LINK)
+    """Stage <-> CPU workers: the gradient all-reduce."""
+    pipeline: LinkProfile = field(default_factory=lambda: _FREE_LINK)
+    """Stage -> stage: activations and their gradients."""
+    d2h: LinkProfile = field(default_factory=lambda: _FREE_LINK)
+    """Device <-> pinned host memory (offloaded buckets)."""
+
+    def __post_init__(self) -> None:
+        self.stage_speed = self.stage_speed or [1.0] * len(self.stages)
+        self.memory = self.memory or [None] * len(self.stages)
+
+    @classmethod
+    def as_profiled(cls, profile: Profile, stage_names: Sequence[str], cpu_workers: int) -> Machine:
+        stages = sorted((r for r in profile.devices if r.startswith("stage")), key=lambda r: int(r[5:]))
+        return cls(
+            stages=stages,
+            stage_names=list(stage_names),
+            memory=[profile.device_memory.get(r) for r in stages],
+            cpu_workers=cpu_workers,
+            sync=profile.links.get("sync", _FREE_LINK),
+            pipeline=profile.links.get("pipeline", _FREE_LINK),
+            d2h=profile.links.get("d2h", _FREE_LINK),
+        )
+
+
+@dataclass
+class Prediction:
+    """What the planner expects of its plan, per optimizer step."""
+
+    step_s: float
+    pipeline_s: float
+    cpu_s: float
+    sync_s: float
+    optimizer_s: float
+    bubble: float
+    memory: list[float]
+    """Bytes per stage: parameters, gradients, device optimizer state, activations in flight."""
+
+
+@dataclass
+class StageCosts:
+    """The cost tables one stage's device gives each layer."""
+
+    times: DeviceTimes
+    speed: float
+
+    def micro_batch(self, layers: range, samples: float) -> float:
+        return self.times.layer_time(layers, samples) / self.speed
+
+
+def _stage_memory(profile: Profile, layers: range, in_flight_samples: float, offloaded_params: int = 0) -> float:
+    params = sum(profile.layers[i].param_bytes for i in layers)
+    per_param = params / max(1, sum(profile.layers[i].params for i in layers))
+    state = profile.optimizer_state_factor * (params - offloaded_params * per_param)
+    activations = sum(profile.layers[i].activation_bytes for i in layers) * in_flight_samples
+    return 2 * params + state + activations
+
+
+def _in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once: all with GPipe, fewer with 1F1B."""
+    return min(micro_batches, stages - stage) if schedule.lower() == "1f1b" else micro_batches
+
+
+def partition(
+    profile: Profile,
+    machine: Machine,
+    micro_batch: float,
+    micro_batches: int,
+    schedule: str = "GPipe",
+    offloadable: bool = False,
+) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` cuts, one per stage, minimizing the slowest stage's time per
+    micro-batch within each stage's memory; with ``offloadable`` (fine mode), a GPU stage's
+    optimizer state need not fit, as it may move to the CPU. Raises ``ValueError`` when no cut fits."""
+    def need(stage: int, span: range, samples: float) -> float:
+        offload = offloadable and machine.stage_names[stage].startswith("cuda")
+        movable = sum(profile.layers[i].params for i in span) if offload else 0
+        return _stage_memory(profile, span, samples, movable)
+
+    layers, stages = len(profile.layers), len(machine.stages)
+    if stages > layers:
+        raise ValueError(f"Cannot plan {stages} stages for {layers} layers: each stage needs at least one layer.")
+    costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
+    for i, layer in enumerate(profile.layers):
+        alone = [need(s, range(i, i + 1), micro_batch) for s in range(stages)]
+        if all(m is not None and need > m for need, m in zip(alone, machine.memory)):
+            smallest = min(m for m in machine.memory if m is not None)
+            raise ValueError(
+                f"Layer {i} ({layer.name}) needs {min(alone) / 2**30:.2f} GiB with its gradients"
+                f"{'' if offloadable else ' and optimizer state'}, more than any stage's memory ({smallest / 2**30:.2f}"
+                " GiB). Split it into smaller blocks, or offload its optimizer state in fine mode."
+            )
+    inf = float("inf")
+    best = [[inf] * (layers + 1) for _ in range(stages + 1)]
+    cut = [[0] * (layers + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        cost, memory = costs[k - 1], machine.memory[k - 1]
+        in_flight = _in_flight(schedule, k - 1, stages, micro_batches) * micro_batch
+        for i in range(k, layers - (stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                span = range(j, i)
+                if memory is not None and need(k - 1, span, in_flight) > memory:
+                    continue
+                value = max(best[k - 1][j], cost.micro_batch(span, micro_batch) + _send(profile, machine, i, micro_batch))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    if best[stages][layers] == inf:
+        raise ValueError(
+            f"No cut of the {layers} layers into {stages} stages fits the stages' memory at micro-batches of"
+            f" {micro_batch:g} samples; use more stages, smaller micro-batches, or fine mode's offload."
+        )
+    bounds, stop = [], layers
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][stop], stop))
+        stop = cut[k][stop]
+    return bounds[::-1]
+
+
+def _send(profile: Profile, machine: Machine, stop: int, micro_batch: float) -> float:
+    """A stage ending before layer ``stop`` sends its output and receives the gradient back."""
+    if stop >= len(profile.layers):
+        return 0.0
+    return 2 * machine.pipeline.time(profile.layers[stop - 1].output_bytes * micro_batch)
+
+
+def pipeline_time(
+    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], samples: int, micro_batches: int
+) -> tuple[float, float]:
+    """(seconds, slowest stage's micro-batch seconds) for the pipeline's ``samples`` in ``micro_batches``."""
+    if samples == 0:
+        return 0.0, 0.0
+    u = samples / micro_batches
+    slowest = max(
+        StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) + _send(profile, machine, b[1], u)
+        for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
+    )
+    return (micro_batches + len(bounds) - 1) * slowest, slowest
+
+
+def choose_offload(
+    ready: Sequence[float], cpu_seconds: Sequence[float], sizes: Sequence[float], backward_end: float
+) -> list[int]:
+    """The buckets (indices into the lists, in bucket order) whose CPU steps, run one after another
+    in bucket order from the moment each bucket is ready, all finish by ``backward_end``, choosing
+    the set with the most bytes. Exact: a Pareto front of (finish time, bytes) per prefix."""
+    front: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+    for k, (at, cost, size) in enumerate(zip(ready, cpu_seconds, sizes)):
+        grown = list(front)
+        for finish, total, chosen in front:
+            end = max(at, finish) + cost
+            if end <= backward_end:
+                grown.append((end, total + size, (*chosen, k)))
+        grown.sort(key=lambda state: (state[0], -state[1]))
+        front = []
+        for state in grown:  # keep states no other finishes sooner with as many bytes
+            if not front or state[1] > front[-1][1]:
+                front.append(state)
+    return list(max(front, key=lambda state: state[1])[2])
+
+
+def plan_run(
+    profile: Profile,
+    machine: Machine,
+    batch_size: int,
+    mode: Literal["coarse", "fine"] = "coarse",
+    schedule: str = "GPipe",
+    max_micro_batches: int = 8,
+    bucket_size_mb: float = 25.0,
+) -> tuple[HeteroPlan, Prediction]:
+    """The fastest layout the cost model finds for ``batch_size`` samples per step."""
+    best: Optional[tuple[float, list[tuple[int, int]], int, int, Prediction]] = None
+    for m in range(1, min(max_micro_batches, batch_size) + 1):
+        if schedule.lower() == "1f1b" and m < len(machine.stages):
+            continue
+        try:
+            bounds = partition(profile, machine, batch_size / m, m, schedule, offloadable=mode == "fine")
+        except ValueError:
+            continue
+        # The pipeline's share is a whole number of micro-batches; or the whole batch (an idle CPU).
+        shares = range(0, batch_size + 1, m) if machine.cpu_workers else range(batch_size, batch_size + 1)
+        for pipeline_samples in sorted({*shares, batch_size}):
+            steps = m if pipeline_samples % m == 0 else _largest_divisor(pipeline_samples, m)
+            prediction = predict(profile, machine, bounds, batch_size, pipeline_samples, steps, mode, schedule)
+            if best is None or prediction.step_s < best[0] - 1e-12:
+                best = (prediction.step_s, bounds, pipeline_samples, m, prediction)
+    if best is None:
+        raise ValueError("No layout fits: every cut of the layers exceeds some stage's memory.")
+    _, bounds, pipeline_samples, m, prediction = best
+    offload: list[int] = []
+    if mode == "fine":
+        offload = offload_plan(profile, machine, bounds, pipeline_samples / m if pipeline_samples else 0.0, bucket_size_mb)
+    plan = HeteroPlan(
+        mode=mode,
+        stages=list(machine.stage_names),
+        boundaries=[start for start, _ in bounds[1:]],
+        micro_batches=m,
+        schedule=schedule,
+        cpu_workers=machine.cpu_workers,
+        cpu_threads=machine.cpu_threads,
+        cpu_fraction=1 - pipeline_samples / batch_size,
+        offload=offload,
+        bucket_size_mb=bucket_size_mb,
+        predicted_step_s=prediction.step_s,
+    )
+    return plan, prediction
+
+
+def offload_plan(
+    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], micro_batch: float, bucket_size_mb: float
+) -> list[int]:
+    """Fine mode's offload set: on each GPU stage, the buckets a CPU thread can step (with their
+    copies over the host link) before that stage's last backward ends (``choose_offload``), and
+    more, largest first, where the stage's memory cannot hold the rest of their optimizer state.
+    Emulated (CPU) stages gain nothing from offloading and offload nothing."""
+    from lightning_hetero.sync import make_buckets
+
+    buckets = make_buckets([layer.params for layer in profile.layers], bounds, int(bucket_size_mb * 2**20))
+    cpu = profile.devices.get("cpu")
+    chosen: list[int] = []
+    for s, (role, speed, memory, name) in enumerate(zip(machine.stages, machine.stage_speed, machine.memory, machine.stage_names)):
+        if not name.startswith("cuda") or cpu is None:
+            continue
+        own = [b for b in buckets if b.stage == s]
+        times = profile.devices[role]
+        backward = [times.backward_time(range(*b.layers), micro_batch) / speed for b in own]
+        ready = [sum(backward[: k + 1]) for k in range(len(own))]
+        params = [sum(profile.layers[i].params for i in range(*b.layers)) for b in own]
+        nbytes = [sum(profile.layers[i].param_bytes for i in range(*b.layers)) for b in own]
+        cost = [n * cpu.offloaded_s_per_param + 2 * machine.d2h.time(b) for n, b in zip(params, nbytes)]
+        picked = choose_offload(ready, cost, nbytes, backward_end=sum(backward))
+        if memory is not None:
+            in_flight = _in_flight("gpipe", s, len(bounds), 1) * micro_batch
+            need = lambda ks: _stage_memory(profile, range(*bounds[s]), in_flight, sum(params[k] for k in ks))  # noqa: E731
+            for k in sorted(set(range(len(own))) - set(picked), key=lambda k: -params[k]):
+                if need(picked) <= memory:
+                    break
+                picked.append(k)
+        chosen += [own[k].index for k in sorted(picked)]
+    return sorted(chosen)
+
+
+def split_cores(cores: int, cpu_workers: int, stages_on_cpu: int, load_s: float, step_s: float) -> tuple[int, Optional[int]]:
+    """(DataLoader workers per rank, CPU-worker threads) so that input never stalls a step: when
+    loading a batch in the training process takes ``load_s``, longer than a step, enough worker
+    processes load ahead, and the CPU workers' threads give way to them first."""
+    if step_s <= 0 or load_s <= 0.9 * step_s:
+        return 0, None
+    loaders = math.ceil(load_s / step_s)
+    left = cores - stages_on_cpu - loaders * (cpu_workers + stages_on_cpu)
+    return loaders, max(1, left // max(1, cpu_workers))
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+def predict(
+    profile: Profile,
+    machine: Machine,
+    bounds: Sequence[tuple[int, int]],
+    batch_size: int,
+    pipeline_samples: int,
+    micro_batches: int,
+    mode: str = "coarse",
+    schedule: str = "GPipe",
+) -> Prediction:
+    """The cost model's step time for one layout (see the module doc)."""
+    cpu_samples = batch_size - pipeline_samples
+    pipe, slowest = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
+    cpu = 0.0
+    if cpu_samples and machine.cpu_workers:
+        per_worker = math.ceil(cpu_samples / machine.cpu_workers)
+        cpu = profile.devices["cpu"].layer_time(range(len(profile.layers)), per_worker) / machine.cpu_speed
+    stage_params = [sum(profile.layers[i].params for i in range(*b)) for b in bounds]
+    stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
+    # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
+    sync = sum(machine.sync.time(n) for n in stage_bytes) if cpu_samples and machine.cpu_workers else 0.0
+    stage_step = max(
+        n * profile.devices[role].optimizer_s_per_param / speed
+        for n, role, speed in zip(stage_params, machine.stages, machine.stage_speed)
+    )
+    cpu_step = 0.0
+    if cpu_samples and machine.cpu_workers:
+        cpu_step = sum(stage_params) * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed
+    optimizer = max(stage_step, cpu_step)
+    tail = sync + optimizer
+    if mode == "fine" and pipeline_samples:
+        # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
+        window = min(
+            StageCosts(profile.devices[role], speed).times.backward_time(range(*b), pipeline_samples / micro_batches) / speed
+            for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
+        )
+        tail = max(0.0, tail - window)
+    u = pipeline_samples / micro_batches if pipeline_samples else 0.0
+    memory = [
+        _stage_memory(profile, range(*b), _in_flight(schedule, s, len(bounds), micro_batches) * u)
+        for s, b in enumerate(bounds)
+    ]
+    bubble = (len(bounds) - 1) / (micro_batches + len(bounds) - 1) if pipeline_samples else 0.0
+    return Prediction(
+        step_s=max(pipe, cpu) + tail + profile.step_overhead_s,
+        pipeline_s=pipe,
+        cpu_s=cpu,
+        sync_s=sync,
+        optimizer_s=optimizer,
+        bubble=bubble,
+        memory=memory,
+    )
+
+
+def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured_step_s: Optional[float] = None) -> str:
+    """A table: per layer, its time on each profiled device and the stage it was placed on;
+    then the predicted step (and the measured one, once training has run)."""
+    roles = list(profile.devices)
+    names = [layer.name for layer in profile.layers]
+    bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) == 1 else [])
+    stage_of = {i: s for s, (start, stop) in enumerate(bounds) for i in range(start, stop)}
+    u = profile.batch_size / plan.micro_batches
+    header = f"{'layer':<24} {'params':>10} " + " ".join(f"{role + ' ms':>12}" for role in roles) + "  placed on"
+    rows = [header, "-" * len(header)]
+    for i, layer in enumerate(profile.layers):
+        times = " ".join(f"{profile.devices[role].layer_time(range(i, i + 1), u) * 1e3:12.3f}" for role in roles)
+        where = f"stage {stage_of[i]} ({plan.stages[stage_of[i]]})" if i in stage_of else "-"
+        rows.append(f"{layer.name[:24]:<24} {layer.params:>10} {times}  {where}")
+    rows.append("")
+    rows.append(
+        f"predicted step {prediction.step_s * 1e3:.2f} ms (pipeline {prediction.pipeline_s * 1e3:.2f}, CPU"
+        f" {prediction.cpu_s * 1e3:.2f}, sum {prediction.sync_s * 1e3:.2f}, optimizer {prediction.optimizer_s * 1e3:.2f});"
+        f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
+    )
+    rows.append("memory per stage: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    if measured_step_s is not None:
+        error = measured_step_s / prediction.step_s - 1
+        rows.append(f"measured step {measured_step_s * 1e3:.2f} ms ({error:+.0%} vs predicted)")
+    return "\n".join(rows)
+
+
+def hypothetical_machine(
+    profile: Profile,
+    gpus: int,
+    gpu_speed: float = 1.0,
+    gpu_memory_gb: Optional[float] = None,
+    cpu_workers: int = 1,
+    cpu_speed: float = 1.0,
+    sync_gbps: Optional[float] = None,
+    pipeline_gbps: Optional[float] = None,
+    host_gbps: Optional[float] = None,
+    link_latency_s: Optional[float] = None,
+    cpu_cores: Optional[int] = None,
+) -> Machine:
+    """A machine the profile was not taken on: ``gpus`` stages whose layers run ``gpu_speed`` times as
+    fast as the profile's first stage, CPU workers ``cpu_speed`` times as fast as its CPU worker, and
+    links of the given bandwidths (GB/s) and latency (otherwise as profiled).
+
+    With ``cpu_cores`` (the machine's cores, all sockets), each stage process keeps one core and the
+    CPU workers share the rest; a worker's speed is scaled by its threads over the profiled worker's
+    (linear in threads: an upper bound, as memory bandwidth does not grow with cores)."""
+    if "stage0" not in profile.devices:
+        raise ValueError("The profile has no stage timings ('stage0'); profile a run with at least one stage.")
+    cpu_threads = None
+    if cpu_cores is not None:
+        if "cpu" not in profile.devices:
+            raise ValueError("The profile has no CPU-worker timings ('cpu'); profile a run with a CPU worker.")
+        cpu_threads = max(1, (cpu_cores - gpus) // max(1, cpu_workers))
+        cpu_speed *= cpu_threads / profile.devices["cpu"].threads
+
+    def link(name: str, gbps: Optional[float]) -> LinkProfile:
+        measured = profile.links.get(name, _FREE_LINK)
+        latency = measured.latency if link_latency_s is None else link_latency_s
+        return LinkProfile(latency=latency, bytes_per_s=measured.bytes_per_s if gbps is None else gbps * 1e9)
+
+    return Machine(
+        stages=["stage0"] * gpus,
+        stage_names=[f"cuda:{i}" for i in range(gpus)],
+        stage_speed=[gpu_speed] * gpus,
+        memory=[gpu_memory_gb * 2**30 if gpu_memory_gb else None] * gpus,
+        cpu_workers=cpu_workers,
+        cpu_speed=cpu_speed,
+        cpu_threads=cpu_threads,
+        sync=link("sync", sync_gbps),
+        pipeline=link("pipeline", pipeline_gbps),
+        d2h=link("d2h", host_gbps),
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``hetero-plan PROFILE [options]``: plan a run on a machine you may not have yet."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="hetero-plan",
+        description="Plan a hetero run from a saved profile (profile.json, written by WorkloadAnalyzer) for a"
+        " hypothetical machine, and print the plan, its predicted step time, bubble and memory per device.",
+    )
+    parser.add_argument("profile", help="profile.json written by the WorkloadAnalyzer callback")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs, one pipeline stage each")
+    parser.add_argument("--gpu-speed", type=float, default=1.0, help="each GPU's speed relative to the profiled stage")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="usable memory per GPU")
+    parser.add_argument("--cpu-workers", type=int, default=1, help="CPU workers (one per socket is sensible)")
+    parser.add_argument("--cpu-speed", type=float, default=1.0, help="each CPU worker's speed relative to the profiled one")
+    parser.add_argument(
+        "--cpu-cores", type=int, default=None, help="the machine's cores, all sockets (scales the CPU workers' speed)"
+    )
+    parser.add_argument("--sync-gbps", type=float, default=None, help="GPU <-> CPU worker all-reduce bandwidth")
+    parser.add_argument("--pipeline-gbps", type=float, default=None, help="GPU -> GPU bandwidth")
+    parser.add_argument("--host-gbps", type=float, default=None, help="device <-> pinned host memory bandwidth")
+    parser.add_argument("--link-latency-us", type=float, default=None, help="latency of every link (default: as profiled)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the profiled batch)")
+    parser.add_argument("--mode", choices=["coarse", "fine"], default="coarse")
+    parser.add_argument("--schedule", default="GPipe")
+    parser.add_argument("--max-micro-batches", type=int, default=8)
+    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--save", default=None, help="write the plan here (YAML), to replay with HeteroStrategy(plan=...)")
+    args = parser.parse_args(argv)
+    try:
+        profile = Profile.load(args.profile)
+        machine = hypothetical_machine(
+            profile,
+            args.gpus,
+            args.gpu_speed,
+            args.gpu_memory_gb,
+            args.cpu_workers,
+            args.cpu_speed,
+            args.sync_gbps,
+            args.pipeline_gbps,
+            args.host_gbps,
+            None if args.link_latency_us is None else args.link_latency_us * 1e-6,
+            args.cpu_cores,
+        )
+        batch_size = args.batch_size or profile.batch_size
+        plan, prediction = plan_run(
+            profile, machine, batch_size, args.mode, args.schedule, args.max_micro_batches, args.bucket_size_mb
+        )
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    print(plan.table())
+    print()
+    print(explain(profile, plan, prediction))
+    if args.save:
+        print(f"\nplan written to {plan.save(args.save)}")
+
+
+if __name__ == "__main__":
+    main()

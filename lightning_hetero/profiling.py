@@ -1,0 +1,362 @@
+"""Measuring the workload: every layer on every kind of device in the run, and the links between them.
+
+For each layer the profiler measures, on the device it is given (a stage's GPU, an emulated
+stage's CPU process, or the CPU worker with its threads), the forward and the backward time at
+two batch sizes (fitted as ``a + b * samples``, so the planner can price any micro-batch size),
+the parameter, gradient and optimizer-state memory, the activation memory its backward keeps,
+and its FLOPs (``torch.utils.flop_counter``). Measurements are repeated after a warm-up and the
+median is kept. Links are measured the same way: the all-reduce between a stage and the CPU
+workers, sends between stages, and host<->device copies where there is CUDA.
+
+Profiling leaves every layer where it found it, on the device and in the mode it had.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_hetero.module import run_layers
+
+__all__ = [
+    "LayerProfile",
+    "DeviceTimes",
+    "LinkProfile",
+    "Profile",
+    "profile_layers",
+    "time_optimizer",
+    "time_link",
+    "all_reduce_over",
+    "gradient_sum_over",
+    "optimizer_state_factor",
+]
+
+
+@dataclass
+class LayerProfile:
+    """What one layer holds and does, whatever the device."""
+
+    name: str
+    params: int
+    param_bytes: int
+    activation_bytes: float
+    """Per sample: the tensors its backward keeps from its forward."""
+    output_bytes: float
+    """Per sample: its output, which a stage boundary after it sends on."""
+    flops: float
+    """Per sample, forward and backward."""
+
+
+@dataclass
+class DeviceTimes:
+    """One kind of device's time per layer: ``intercept + slope * samples`` seconds."""
+
+    device: str
+    threads: int
+    forward: list[tuple[float, float]]
+    backward: list[tuple[float, float]]
+    optimizer_s_per_param: float = 0.0
+    """The user's optimizer on this device, per parameter."""
+    offloaded_s_per_param: float = 0.0
+    """The fused CPU optimizer of an offloaded bucket, per parameter (CPU devices)."""
+
+    def layer_time(self, layers: range, samples: float) -> float:
+        """Forward and backward of ``layers`` for a micro-batch of ``samples``."""
+        return sum(
+            self.forward[i][0] + self.forward[i][1] * samples + self.backward[i][0] + self.backward[i][1] * samples
+            for i in layers
+        )
+
+    def backward_time(self, layers: range, samples: float) -> float:
+        return sum(self.backward[i][0] + self.backward[i][1] * samples for i in layers)
+
+
+@dataclass
+class LinkProfile:
+    """A link: ``latency + bytes / bandwidth`` seconds per transfer."""
+
+    latency: float
+    bytes_per_s: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclass
+class Profile:
+    """Everything the planner needs to know about a workload on a machine."""
+
+    batch_size: int
+    layers: list[LayerProfile]
+    devices: dict[str, DeviceTimes]
+    """By role: ``"cpu"`` (a CPU worker) and ``"stage0"``, ``"stage1"``, ... (each stage's device)."""
+    links: dict[str, LinkProfile] = field(default_factory=dict)
+    """``"sync"``: stage <-> CPU workers all-reduce; ``"pipeline"``: stage -> stage;
+    ``"d2h"``/``"h2d"``: device <-> pinned host memory."""
+    optimizer_state_factor: float = 2.0
+    """Optimizer state per parameter, in parameter copies (Adam: 2, SGD with momentum: 1)."""
+    cpu_cores: int = 1
+    device_memory: dict[str, float] = field(default_factory=dict)
+    """Bytes usable per stage role (absent: unlimited, as for emulated stages)."""
+    step_overhead_s: float = 0.0
+    """Per step, outside the model: loading the batch in the training process, and sharing the
+    step's results between the ranks."""
+
+    def save(self, path: Union[str, Path]) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> Profile:
+        try:
+            return cls._from_dict(json.loads(Path(path).read_text()))
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is not a profile written by WorkloadAnalyzer ({error!r}).") from error
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> Profile:
+        return cls(
+            batch_size=raw["batch_size"],
+            layers=[LayerProfile(**layer) for layer in raw["layers"]],
+            devices={
+                role: DeviceTimes(**{**d, "forward": [tuple(x) for x in d["forward"]], "backward": [tuple(x) for x in d["backward"]]})
+                for role, d in raw["devices"].items()
+            },
+            links={name: LinkProfile(**link) for name, link in raw.get("links", {}).items()},
+            optimizer_state_factor=raw.get("optimizer_state_factor", 2.0),
+            cpu_cores=raw.get("cpu_cores", 1),
+            device_memory=raw.get("device_memory", {}),
+            step_overhead_s=raw.get("step_overhead_s", 0.0),
+        )
+
+
+def optimizer_state_factor(optimizer: torch.optim.Optimizer | None) -> float:
+    """Optimizer state per parameter, in parameter copies, for the optimizers whose state is known."""
+    if optimizer is None:
+        return 2.0
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1.0 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0.0
+    if isinstance(optimizer, (torch.optim.Adagrad, torch.optim.RMSprop)):
+        return 1.0
+    return 2.0
+
+
+def _median_time(work: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        work()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(small: int, t_small: float, large: int, t_large: float) -> tuple[float, float]:
+    """``(intercept, slope)`` through two measurements, never negative."""
+    slope = max(0.0, (t_large - t_small) / (large - small)) if large != small else t_large / max(large, 1)
+    return max(0.0, t_small - slope * small), slope
+
+
+def _requires_grad(inputs: Any) -> Any:
+    if isinstance(inputs, tuple):
+        return tuple(_requires_grad(x) for x in inputs)
+    if isinstance(inputs, Tensor) and inputs.is_floating_point():
+        return inputs.detach().requires_grad_()
+    return inputs
+
+
+def _outputs(outputs: Any) -> list[Tensor]:
+    items = outputs if isinstance(outputs, tuple) else (outputs,)
+    return [o for o in items if isinstance(o, Tensor) and o.requires_grad]
+
+
+def _forward_backward(layer: nn.Module, inputs: Any) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """Two closures: the layer's forward, and forward + backward (with a gradient of ones)."""
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return run_layers([layer], inputs)
+
+    def both() -> None:
+        outputs = _outputs(run_layers([layer], _requires_grad(inputs)))
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+
+    return forward, both
+
+
+def _saved_bytes(layer: nn.Module, inputs: Any) -> int:
+    """Bytes of the activations autograd keeps for the layer's backward (each storage once; the
+    layer's own parameters, which it also keeps, are counted as parameters)."""
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_layers([layer], _requires_grad(inputs))
+    return sum(seen.values())
+
+
+def _flops(layer: nn.Module, inputs: Any) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        outputs = _outputs(run_layers([layer], _requires_grad(inputs)))
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    return float(counter.get_total_flops())
+
+
+def _nbytes(data: Any) -> int:
+    items = data if isinstance(data, tuple) else (data,)
+    return sum(x.numel() * x.element_size() for x in items if isinstance(x, Tensor))
+
+
+def _to(data: Any, device: torch.device) -> Any:
+    if isinstance(data, tuple):
+        return tuple(_to(x, device) for x in data)
+    return data.to(device) if isinstance(data, Tensor) else data
+
+
+def _slice(data: Any, n: int) -> Any:
+    if isinstance(data, tuple):
+        return tuple(_slice(x, n) for x in data)
+    return data[:n] if isinstance(data, Tensor) else data
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    names: Sequence[str],
+    inputs: Any,
+    device: torch.device,
+    sizes: tuple[int, int],
+    repeats: int = 3,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[LayerProfile]]:
+    """Time every layer's forward and backward on ``device`` at two micro-batch ``sizes``, and
+    describe each layer's memory and FLOPs (``LayerProfile``, the same on every device).
+
+    ``inputs`` is a batch of at least ``max(sizes)`` samples; each layer runs on the previous
+    layer's output. Each layer visits ``device`` only while it is measured and then goes back
+    where it was, in the mode it was in; the random number generators are left as they were.
+    """
+    small, large = sorted(sizes)
+    forward, backward, described = [], [], []
+    x = inputs
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for layer, name in zip(layers, names):
+            home = next(itertools.chain((t.device for t in layer.parameters()), (t.device for t in layer.buffers())), None)
+            training = layer.training
+            layer.to(device)
+            try:
+                fwd, bwd = zip(*(_time_layer(layer, _to(_slice(x, n), device), device, repeats) for n in (small, large)))
+                forward.append(_fit(small, fwd[0], large, fwd[1]))
+                backward.append(_fit(small, bwd[0], large, bwd[1]))
+                described.append(_describe(layer, name, _to(_slice(x, large), device), large))
+                with torch.no_grad():
+                    x = _to(run_layers([layer], _to(x, device)), torch.device("cpu"))
+            finally:
+                layer.zero_grad(set_to_none=True)
+                layer.train(training)
+                if home is not None:
+                    layer.to(home)
+    return forward, backward, described
+
+
+def _time_layer(layer: nn.Module, inputs: Any, device: torch.device, repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ``layer`` on ``inputs`` (backward: forward+backward - forward)."""
+    forward, both = _forward_backward(layer, inputs)
+    t_forward = _median_time(forward, device, repeats)
+    return t_forward, max(0.0, _median_time(both, device, repeats) - t_forward)
+
+
+def _describe(layer: nn.Module, name: str, inputs: Any, samples: int) -> LayerProfile:
+    with torch.no_grad():
+        out = run_layers([layer], inputs)
+    return LayerProfile(
+        name=name,
+        params=sum(p.numel() for p in layer.parameters()),
+        param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        activation_bytes=_saved_bytes(layer, inputs) / samples,
+        output_bytes=_nbytes(out) / samples,
+        flops=_flops(layer, inputs) / samples,
+    )
+
+
+def time_optimizer(
+    optimizer_cls: type,
+    device: torch.device,
+    numel: int = 1 << 20,
+    repeats: int = 3,
+    shapes: Optional[Sequence[torch.Size]] = None,
+    max_numel: int = 1 << 25,
+    **kwargs: Any,
+) -> float:
+    """Seconds per parameter of one step of ``optimizer_cls`` on ``device``: on parameters of the
+    given ``shapes`` (a model's, as many as fit in ``max_numel``: the step's cost per parameter
+    depends on how many tensors there are and whether they fit in cache), or on one of ``numel``."""
+    shapes = list(shapes) if shapes else [torch.Size([numel])]
+    kept, total = [], 0
+    for shape in shapes:
+        if kept and total + shape.numel() > max_numel:
+            break
+        kept.append(shape)
+        total += shape.numel()
+    params = [nn.Parameter(torch.randn(shape, device=device)) for shape in kept]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = optimizer_cls(params, lr=1e-3, **kwargs)
+    return _median_time(optimizer.step, device, repeats) / max(1, total)
+
+
+def time_link(
+    transfer: Callable[[Tensor], None], device: torch.device, sizes: tuple[int, int] = (1 << 14, 1 << 22), repeats: int = 3
+) -> LinkProfile:
+    """Fit ``latency + bytes / bandwidth`` from timing ``transfer`` on two buffer sizes (float32)."""
+    times = {}
+    for numel in sizes:
+        buffer = torch.zeros(numel, device=device)
+        times[numel * 4] = _median_time(lambda: transfer(buffer), device, repeats)
+    (small, t_small), (large, t_large) = sorted(times.items())
+    slope = max(1e-15, (t_large - t_small) / (large - small))
+    return LinkProfile(latency=max(0.0, t_small - slope * small), bytes_per_s=1.0 / slope)
+
+
+def all_reduce_over(group: dist.ProcessGroup) -> Callable[[Tensor], None]:
+    return lambda buffer: dist.all_reduce(buffer, group=group)
+
+
+def gradient_sum_over(group: dist.ProcessGroup) -> Callable[[Tensor], None]:
+    """A gradient sum as the strategy does it: gradients packed into a flat buffer, summed,
+    averaged, and unpacked (the copies cost as much as the all-reduce on a fast link)."""
+    staging: dict[int, Tensor] = {}
+
+    def transfer(gradients: Tensor) -> None:
+        flat = staging.setdefault(gradients.numel(), torch.empty_like(gradients))
+        flat.copy_(gradients)
+        dist.all_reduce(flat, group=group)
+        flat.div_(2)
+        gradients.copy_(flat)
+
+    return transfer

@@ -1,0 +1,123 @@
+"""The workload analyzer measures, plans and applies a layout; the layout never changes the maths.
+
+With the analyzer on, training is still equivalent to one process; the plan it chose is written
+beside the logs, logged as hyperparameters with its predicted step time, and explained; the
+measured step time is logged beside the prediction; and replaying the written plan lays the run
+out exactly as the analyzer did.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import yaml
+
+from lightning_hetero import HeteroPlan, HeteroStrategy
+from lightning_hetero.callbacks import WorkloadAnalyzer
+from lightning_hetero.planner import main as planner_main
+from lightning_hetero.profiling import Profile
+from tests.conftest import TIMEOUT, hetero, trainer
+from tests.models import column, read_metrics, regression_data
+from tests.test_equivalence import STEPS, assert_same_run
+
+
+class RecordPlan(L.Callback):
+    """Every rank writes the plan its strategy follows and the parameters it holds."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, HeteroStrategy):
+            return  # the plain reference
+        record = {
+            "plan": strategy.plan.as_dict() if strategy.plan is not None else None,
+            "params": sorted(n for n, p in pl_module.named_parameters() if not p.is_meta),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def layouts(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str) -> None:
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=4, measure_steps=2)
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    strategy = hetero(mode=mode, stages=["cpu", "cpu"], micro_batches=1)
+    assert_same_run(tmp_path, strategy, callbacks=[analyzer, RecordPlan(layout)])
+
+    ranks = layouts(layout)
+    assert len(ranks) == 3 and all(r["plan"] == ranks[0]["plan"] for r in ranks)  # one plan, on every rank
+    plan = HeteroPlan(**ranks[0]["plan"])
+    assert (plan.mode, plan.stages, plan.cpu_workers) == (mode, ["cpu", "cpu"], 1)
+    assert plan.predicted_step_s is not None and plan.predicted_step_s > 0
+
+    logs = tmp_path / "hetero"
+    assert HeteroPlan.load(logs / "plan.yaml") == plan  # written beside the logs
+    profile = Profile.load(logs / "profile.json")
+    assert [layer.name for layer in profile.layers] == [f"layers.{i}" for i in range(len(profile.layers))]
+    assert {"cpu", "stage0"} <= set(profile.devices)
+    explanation = (logs / "explain.txt").read_text()
+    assert "layers.0" in explanation and "predicted" in explanation and "measured" in explanation
+
+    hparams = yaml.safe_load((logs / "hparams.yaml").read_text())
+    assert hparams["hetero_plan"]["mode"] == mode and hparams["hetero_predicted_step_s"] == plan.predicted_step_s
+    rows = read_metrics(logs)
+    (step, predicted), = column(rows, "analyzer/predicted_step_s")
+    (_, measured), = column(rows, "analyzer/measured_step_s")
+    (_, error), = column(rows, "analyzer/prediction_error")
+    assert 3 + 2 <= step <= STEPS  # after the warm-up and the measured steps
+    assert predicted == pytest.approx(plan.predicted_step_s) and measured > 0
+    assert error == pytest.approx(measured / predicted - 1)
+
+
+def test_replayed_plan_reproduces_the_analyzers_layout(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1)
+    strategy = hetero(stages=["cpu", "cpu", "cpu"])
+    trainer(strategy, tmp_path / "logs", max_steps=2, callbacks=[analyzer, RecordPlan(first)]).fit(
+        _net(), regression_data()
+    )
+    replay = HeteroStrategy(plan=tmp_path / "logs" / "plan.yaml", start_method="fork", timeout=TIMEOUT)
+    trainer(replay, max_steps=2, callbacks=[RecordPlan(second)]).fit(_net(), regression_data())
+    assert layouts(first) == layouts(second)  # the same plan, and every rank holds the same layers
+
+
+def test_analyzer_is_quiet_without_the_hetero_strategy(tmp_path: Path) -> None:
+    """On a plain Trainer it has nothing to plan: it neither fails nor writes anything."""
+    analyzer = WorkloadAnalyzer(save_dir=str(tmp_path / "plans"))
+    trainer(None, max_steps=2, callbacks=[analyzer]).fit(_net(), regression_data())
+    assert analyzer.plan is None and not (tmp_path / "plans").exists()
+
+
+def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1)
+    trainer(hetero(stages=["cpu", "cpu"]), tmp_path / "logs", max_steps=1, callbacks=[analyzer]).fit(
+        _net(), regression_data()
+    )
+    profile = tmp_path / "logs" / "profile.json"
+    saved = tmp_path / "four.yaml"
+    args = [str(profile), "--gpus", "4", "--gpu-speed", "8", "--cpu-cores", "32", "--save", str(saved)]
+    planner_main(args)
+    printed = capsys.readouterr().out
+    plan = HeteroPlan.load(saved)
+    assert plan.stages == [f"cuda:{i}" for i in range(4)] and len(plan.boundaries) == 3
+    assert "predicted step" in printed and "bubble" in printed and "cuda:3" in printed
+    with pytest.raises(SystemExit):
+        planner_main([str(tmp_path / "missing.json")])
+    assert "missing.json" in capsys.readouterr().err
+
+
+def _net() -> L.LightningModule:
+    from tests.models import Net
+
+    return Net(width=32)

@@ -1,0 +1,210 @@
+"""The planner's solvers against brute force on synthetic cost tables whose optimum is known."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_hetero.planner import (
+    Machine,
+    choose_offload,
+    offload_plan,
+    partition,
+    plan_run,
+    predict,
+    split_cores,
+)
+from lightning_hetero.profiling import DeviceTimes, LayerProfile, LinkProfile, Profile
+
+MB = 2**20
+
+
+def profile(
+    per_sample: list[float],
+    params: list[int] | None = None,
+    stages: int = 2,
+    cpu_slowdown: float = 1.0,
+    activation: float = 0.0,
+    optimizer_s_per_param: float = 0.0,
+) -> Profile:
+    """Layers whose forward+backward takes ``per_sample`` seconds per sample on every stage device
+    (forward and backward half each), ``cpu_slowdown`` times as long on the CPU worker."""
+    params = params or [1000] * len(per_sample)
+    layers = [
+        LayerProfile(name=f"layers.{i}", params=n, param_bytes=4 * n, activation_bytes=activation, output_bytes=0.0, flops=0.0)
+        for i, n in enumerate(params)
+    ]
+
+    def times(scale: float) -> DeviceTimes:
+        halves = [(0.0, t * scale / 2) for t in per_sample]
+        return DeviceTimes("cpu", 1, halves, halves, optimizer_s_per_param, optimizer_s_per_param)
+
+    devices = {f"stage{s}": times(1.0) for s in range(stages)}
+    devices["cpu"] = times(cpu_slowdown)
+    return Profile(batch_size=16, layers=layers, devices=devices)
+
+
+def machine(stages: int, speed: list[float] | None = None, memory: list[float | None] | None = None, cpu: int = 1) -> Machine:
+    return Machine(
+        stages=[f"stage{s}" for s in range(stages)],
+        stage_names=["cpu"] * stages,
+        stage_speed=speed or [1.0] * stages,
+        memory=memory or [None] * stages,
+        cpu_workers=cpu,
+    )
+
+
+def cuts(layers: int, stages: int):
+    for inner in itertools.combinations(range(1, layers), stages - 1):
+        bounds = [0, *inner, layers]
+        yield list(zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_partition_is_the_best_contiguous_cut(seed: int) -> None:
+    rng = random.Random(seed)
+    layers, stages = rng.randint(3, 7), rng.randint(1, 3)
+    per_sample = [rng.uniform(0.1, 1.0) for _ in range(layers)]
+    speed = [rng.choice([0.5, 1.0, 2.0]) for _ in range(stages)]
+    prof = profile(per_sample, params=[rng.randint(1, 50) * 1000 for _ in range(layers)], stages=stages)
+    memory = [rng.choice([None, 2e6, 6e6]) for _ in range(stages)]
+    mach = machine(stages, speed, memory)
+
+    def stage_time(s: int, b: tuple[int, int]) -> float:
+        return sum(per_sample[b[0] : b[1]]) / speed[s]
+
+    def fits(s: int, b: tuple[int, int]) -> bool:
+        need = 4 * sum(prof.layers[i].param_bytes for i in range(*b))  # weights, gradients, Adam's two moments
+        return memory[s] is None or need <= memory[s]
+
+    feasible = [c for c in cuts(layers, stages) if all(fits(s, b) for s, b in enumerate(c))]
+    if not feasible:
+        with pytest.raises(ValueError):
+            partition(prof, mach, micro_batch=1, micro_batches=1)
+        return
+    best = min(max(stage_time(s, b) for s, b in enumerate(c)) for c in feasible)
+    chosen = partition(prof, mach, micro_batch=1, micro_batches=1)
+    assert chosen in feasible
+    assert max(stage_time(s, b) for s, b in enumerate(chosen)) == pytest.approx(best)
+
+
+def test_one_stage_and_one_layer_per_stage() -> None:
+    prof = profile([1.0, 2.0, 3.0], stages=3)
+    assert partition(prof, machine(1), 1, 1) == [(0, 3)]
+    assert partition(prof, machine(3), 1, 1) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_a_layer_too_big_for_any_device() -> None:
+    prof = profile([1.0, 1.0], params=[1000, 10**8])
+    with pytest.raises(ValueError, match=r"Layer 1 \(layers.1\) needs 1.49 GiB"):
+        partition(prof, machine(2, memory=[1e9, 1e9]), 1, 1)
+
+
+@pytest.mark.parametrize("cpu_slowdown", [0.5, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_micro_batches_and_cpu_share_are_the_best_the_model_allows(cpu_slowdown: float, stages: int) -> None:
+    """Brute force over every micro-batch count and pipeline share, with the step time written out."""
+    per_sample, batch = [0.2, 0.3, 0.1, 0.4], 16
+    prof = profile(per_sample, stages=stages, cpu_slowdown=cpu_slowdown)
+    prof.step_overhead_s = 0.05
+    mach = machine(stages)
+    mach.sync = LinkProfile(latency=0.02, bytes_per_s=1e9)
+    bounds = partition(prof, mach, 1, 1)
+    slowest = max(sum(per_sample[a:b]) for a, b in bounds)
+
+    def step(m: int, pipeline: int) -> float:
+        pipe = (m + stages - 1) * slowest * pipeline / m if pipeline else 0.0
+        cpu = sum(per_sample) * cpu_slowdown * (batch - pipeline)
+        sync = sum(mach.sync.time(4 * sum(prof.layers[i].params for i in range(a, b))) for a, b in bounds)
+        return max(pipe, cpu) + (sync if pipeline < batch else 0.0) + 0.05
+
+    best = min(step(m, p) for m in range(1, 9) for p in range(0, batch + 1, m) if p % m == 0)
+    plan, prediction = plan_run(prof, mach, batch, max_micro_batches=8)
+    assert prediction.step_s == pytest.approx(best)
+    pipeline = round((1 - plan.cpu_fraction) * batch)
+    assert step(plan.micro_batches, pipeline) == pytest.approx(best)
+
+
+def test_a_cpu_far_slower_than_the_pipeline_gets_nothing() -> None:
+    prof = profile([0.2, 0.3, 0.1, 0.4], cpu_slowdown=50.0)
+    plan, prediction = plan_run(prof, machine(2), 16)
+    assert plan.cpu_fraction == 0.0 and prediction.sync_s == 0.0 and prediction.cpu_s == 0.0
+
+
+def test_the_bubble_and_memory_are_reported() -> None:
+    prof = profile([1.0] * 4, activation=100.0)
+    prediction = predict(prof, machine(2), [(0, 2), (2, 4)], batch_size=16, pipeline_samples=16, micro_batches=4)
+    assert prediction.bubble == pytest.approx(1 / 5)
+    # weights + gradients + Adam state (4 copies of 8000 bytes) + activations of 4 micro-batches of 4 samples
+    assert prediction.memory == [4 * 8000 + 2 * 100 * 16] * 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_offload_set_is_the_largest_the_cpu_hides(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 7)
+    ready = sorted(rng.uniform(0, 1) for _ in range(n))
+    cost = [rng.uniform(0.05, 0.5) for _ in range(n)]
+    size = [rng.uniform(1, 10) for _ in range(n)]
+    end = rng.uniform(0.5, 2.0)
+
+    def finishes(chosen: tuple[int, ...]) -> bool:
+        clock = 0.0
+        for k in chosen:
+            clock = max(clock, ready[k]) + cost[k]
+            if clock > end:
+                return False
+        return True
+
+    best = max(
+        (sum(size[k] for k in c) for r in range(n + 1) for c in itertools.combinations(range(n), r) if finishes(c)),
+        default=0.0,
+    )
+    chosen = choose_offload(ready, cost, size, end)
+    assert finishes(tuple(chosen)) and sum(size[k] for k in chosen) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("memory_mb,offloaded", [(40, []), (26, [2]), (20, [2, 3])])
+def test_offload_follows_memory_on_gpu_stages_only(memory_mb: int, offloaded: list[int]) -> None:
+    prof = profile([0.1] * 4, params=[10**6] * 4)
+    prof.devices["cpu"].offloaded_s_per_param = 1.0  # the CPU hides nothing: only memory decides
+    gpus = machine(2, memory=[memory_mb * MB, None])
+    gpus.stage_names = ["cuda:0", "cuda:1"]
+    # Stage 0 holds layers 0-1 (buckets 3 and 2): 16 MB of weights and gradients, 16 MB of Adam state.
+    assert offload_plan(prof, gpus, [(0, 2), (2, 4)], micro_batch=1, bucket_size_mb=1) == offloaded
+    emulated = machine(2, memory=[memory_mb * MB, None])
+    assert offload_plan(prof, emulated, [(0, 2), (2, 4)], micro_batch=1, bucket_size_mb=1) == []
+
+
+def test_fine_mode_plans_a_stage_that_fits_only_with_offload() -> None:
+    prof = profile([0.1] * 4, params=[10**6] * 4)
+    prof.devices["cpu"].offloaded_s_per_param = 1.0
+    gpus = machine(2, memory=[20 * MB, 20 * MB])
+    gpus.stage_names = ["cuda:0", "cuda:1"]
+    with pytest.raises(ValueError, match="No layout fits"):
+        plan_run(prof, gpus, 16, mode="coarse")
+    plan, _ = plan_run(prof, gpus, 16, mode="fine", bucket_size_mb=1)
+    assert plan.offload == [0, 1, 2, 3]
+
+
+def test_cores_go_to_loading_when_input_would_stall() -> None:
+    assert split_cores(cores=16, cpu_workers=1, stages_on_cpu=0, load_s=0.01, step_s=0.1) == (0, None)
+    assert split_cores(cores=16, cpu_workers=1, stages_on_cpu=0, load_s=0.25, step_s=0.1) == (3, 13)
+
+
+def test_hypothetical_machine_scales_devices_cores_and_links() -> None:
+    from lightning_hetero.planner import hypothetical_machine
+
+    prof = profile([1.0] * 4, cpu_slowdown=4.0)
+    prof.links["sync"] = LinkProfile(latency=1e-4, bytes_per_s=1e9)
+    big = hypothetical_machine(prof, gpus=4, gpu_speed=10.0, cpu_workers=2, cpu_cores=34, sync_gbps=25.0)
+    assert big.stage_names == [f"cuda:{i}" for i in range(4)] and big.stage_speed == [10.0] * 4
+    assert big.cpu_threads == 15 and big.cpu_speed == 15.0  # (34 - 4 stage processes) / 2 workers, vs 1 profiled
+    assert big.sync.bytes_per_s == 25e9 and big.sync.latency == 1e-4  # latency as profiled
+    # A much faster CPU earns a share on the same GPUs.
+    slow, fast = (plan_run(prof, hypothetical_machine(prof, 1, 4.0, cpu_cores=c), 16)[0] for c in (2, 64))
+    assert slow.cpu_fraction == 0 < fast.cpu_fraction
+    with pytest.raises(ValueError, match="no CPU-worker timings"):
+        hypothetical_machine(Profile(batch_size=16, layers=prof.layers, devices={"stage0": prof.devices["stage0"]}), 1, cpu_cores=8)

@@ -1,0 +1,81 @@
+"""The profiler measures real layers on a real device, repeatably, and leaves them as it found them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hetero.profiling import DeviceTimes, LayerProfile, Profile, profile_layers, time_link
+
+CPU = torch.device("cpu")
+
+
+def mlp(width: int, depth: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(32, width)]
+    for _ in range(depth - 1):
+        layers += [nn.Dropout(0.1), nn.Linear(width, width)]
+    return layers
+
+
+def run(layers: list[nn.Module], batch: int = 64, repeats: int = 5, inputs: torch.Tensor | None = None):
+    inputs = torch.randn(batch, 32) if inputs is None else inputs
+    return profile_layers(layers, [f"l{i}" for i in range(len(layers))], inputs, CPU, (batch // 8, batch), repeats)
+
+
+def per_sample(times: list[tuple[float, float]], samples: int) -> float:
+    return sum(a + b * samples for a, b in times) / samples
+
+
+def test_costs_grow_with_width_and_batch_size() -> None:
+    narrow_fwd, narrow_bwd, narrow = run(mlp(32))
+    wide_fwd, wide_bwd, wide = run(mlp(512))
+    assert sum(layer.params for layer in wide) > 100 * sum(layer.params for layer in narrow)
+    assert sum(layer.flops for layer in wide) > 100 * sum(layer.flops for layer in narrow)
+    assert sum(layer.activation_bytes for layer in wide) > sum(layer.activation_bytes for layer in narrow)
+    assert per_sample(wide_fwd, 64) + per_sample(wide_bwd, 64) > 5 * (per_sample(narrow_fwd, 64) + per_sample(narrow_bwd, 64))
+    # a + b * n: a larger batch takes longer in all
+    total = lambda times, n: sum(a + b * n for a, b in times)  # noqa: E731
+    assert total(wide_fwd, 64) + total(wide_bwd, 64) > total(wide_fwd, 8) + total(wide_bwd, 8)
+
+
+def test_repeated_profiles_agree() -> None:
+    """Within 35% per sample on a shared machine (timings), exactly for what does not depend on time."""
+    layers = mlp(384, depth=4)
+    first, second = run(layers, batch=128), run(layers, batch=128)
+    assert first[2] == second[2]
+    a, b = per_sample(first[0] + first[1], 128), per_sample(second[0] + second[1], 128)
+    assert abs(a - b) / min(a, b) < 0.35
+
+
+def test_profiling_leaves_layers_and_random_state_as_they_were() -> None:
+    layers = mlp(64)
+    for layer in layers[:3]:
+        layer.eval()
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    modes = [layer.training for layer in layers]
+    inputs = torch.randn(64, 32)
+    rng = torch.get_rng_state()
+    run(layers, inputs=inputs)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [layer.training for layer in layers] == modes
+    for layer, state in zip(layers, before):
+        assert all(torch.equal(state[k], v) for k, v in layer.state_dict().items())
+        assert all(p.grad is None and p.device == CPU for p in layer.parameters())
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    forward, backward, layers = run(mlp(16))
+    devices = {"cpu": DeviceTimes("cpu", 1, forward, backward, 1e-9, 5e-10)}
+    profile = Profile(batch_size=64, layers=layers, devices=devices, step_overhead_s=0.001)
+    loaded = Profile.load(profile.save(tmp_path / "profile.json"))
+    assert loaded == profile
+    assert isinstance(loaded.layers[0], LayerProfile)
+
+
+def test_link_fit() -> None:
+    link = time_link(lambda buffer: buffer.clone(), CPU, sizes=(1 << 12, 1 << 22))
+    assert link.bytes_per_s > 1e8 and link.time(1 << 24) > link.time(1 << 10)
