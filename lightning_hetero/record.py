@@ -36,6 +36,8 @@ class StepRecord:
     """Forward and backward of this rank's share (on a stage: inside its layers only)."""
     communicate: float = 0.0
     """Pipeline sends and receives (with the pipeline's bubbles), and gradient sums."""
+    sync: float = 0.0
+    """The part of ``communicate`` spent summing gradients with the other workers."""
     optimizer: float = 0.0
     """Clipping and the optimizer step (fine mode: the buckets' steps, overlapped with the backward)."""
     wait: float = 0.0
@@ -44,6 +46,19 @@ class StepRecord:
     """Between the previous step and this one: loading the batch, and the training loop's own work."""
     total: float = 0.0
     """From this step's batch being ready to the next one's."""
+    share: float = 0.0
+    """Wall time of this rank's share of the batch, waiting excluded: a CPU worker's forward and
+    backward; on a stage, the pipeline schedule (its layers, sends, receives and bubbles) and the
+    last stage's replay of the step method. What the rebalancer balances."""
+    cpu_fraction: float = 0.0
+    """The CPU fraction this step ran with."""
+    start: float = 0.0
+    """When the step began (the previous one's end), in ``time.perf_counter`` seconds."""
+    end: float = 0.0
+    """When this rank was done with it."""
+    spans: list = field(default_factory=list)
+    """``(kind, start, end)`` of the timed work, in ``time.perf_counter`` seconds (host time; on
+    CUDA, a span starts when its work was queued and lasts as long as the device took)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,10 +70,17 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
-        self._events: list[tuple[str, Any, Any]] = []
+        self.spans: list[tuple[str, float, float]] = []
+        self._events: list[tuple[str, float, Any, Any]] = []
 
     def add(self, kind: str, seconds: float) -> None:
+        """Time spent on ``kind`` outside this step's timeline (another thread's, say)."""
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+    def add_span(self, kind: str, start: float, end: float) -> None:
+        """Time spent on ``kind`` from ``start`` to ``end`` (``time.perf_counter``)."""
+        self.add(kind, end - start)
+        self.spans.append((kind, start, end))
 
     def span(self, kind: str) -> "_Span":
         return _Span(self, kind)
@@ -71,9 +93,9 @@ class StepClock:
 
     def resolve(self) -> dict[str, float]:
         """The totals, once CUDA work has finished (called at the end of the step)."""
-        for kind, start, stop in self._events:
+        for kind, queued, start, stop in self._events:
             stop.synchronize()
-            self.add(kind, start.elapsed_time(stop) / 1e3)
+            self.add_span(kind, queued, queued + start.elapsed_time(stop) / 1e3)
         self._events.clear()
         return dict(self.seconds)
 
@@ -86,18 +108,19 @@ class _Span:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        self.clock.add(self.kind, time.perf_counter() - self.start)
+        self.clock.add_span(self.kind, self.start, time.perf_counter())
 
 
 class _CudaSpan(_Span):
     def __enter__(self) -> None:
+        self.queued = time.perf_counter()
         self.begin = torch.cuda.Event(enable_timing=True)
         self.begin.record(torch.cuda.current_stream(self.clock.device))
 
     def __exit__(self, *exc: Any) -> None:
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.clock.device))
-        self.clock._events.append((self.kind, self.begin, end))
+        self.clock._events.append((self.kind, self.queued, self.begin, end))
 
 
 @dataclass
@@ -118,11 +141,11 @@ class Recorder:
         now = time.perf_counter()
         self.clock = StepClock(self.device)
         if self._last_end is not None:
-            self.clock.add("data", now - self._last_end)
+            self.clock.add_span("data", self._last_end, now)
         self._started = self._last_end if self._last_end is not None else now
         return self.clock
 
-    def end(self, step: int, samples: int) -> StepRecord | None:
+    def end(self, step: int, samples: int, cpu_fraction: float = 0.0) -> StepRecord | None:
         """This rank is done with the batch (its optimizer stepped, or it accumulates): close the record.
 
         A stage's schedule time (``"pipeline"``) that is not spent in its layers is communication:
@@ -131,9 +154,11 @@ class Recorder:
             return None
         seconds = self.clock.resolve()
         pipeline, stage = seconds.pop("pipeline", None), seconds.pop("stage", 0.0)
+        share = seconds.get("compute", 0.0) + (pipeline or 0.0)
         seconds["compute"] = seconds.get("compute", 0.0) + stage
+        seconds["communicate"] = seconds.get("communicate", 0.0) + seconds.get("sync", 0.0)
         if pipeline is not None:
-            seconds["communicate"] = seconds.get("communicate", 0.0) + max(0.0, pipeline - stage)
+            seconds["communicate"] += max(0.0, pipeline - stage)
         now = time.perf_counter()
         record = StepRecord(
             step=step,
@@ -141,7 +166,12 @@ class Recorder:
             role=self.role,
             samples=samples,
             total=now - self._started,
-            **{kind: seconds.get(kind, 0.0) for kind in ("compute", "communicate", "optimizer", "wait", "data")},
+            share=share,
+            cpu_fraction=cpu_fraction,
+            start=self._started,
+            end=now,
+            spans=self.clock.spans,
+            **{kind: seconds.get(kind, 0.0) for kind in ("compute", "communicate", "sync", "optimizer", "wait", "data")},
         )
         self.records.append(record)
         while len(self.records) > self.keep:

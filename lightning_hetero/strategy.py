@@ -42,7 +42,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -117,6 +117,12 @@ class HeteroStrategy(ParallelStrategy):
             layers of one stage).
         plan: a ``HeteroPlan`` (or the path of its YAML file) to replay: it sets every layout
             argument above and where the layers are cut, so leave those at their defaults.
+        emulated_speed: TESTING ONLY, off by default. Emulates workers of known speeds on a machine
+            that has no such devices (tests and benchmarks of the rebalancer): ``{"cpu": r,
+            "pipeline": q}`` makes each CPU worker's share of a training batch take at least
+            ``samples / r`` seconds and the pipeline's at least ``samples / q`` (a worker that
+            finishes its real work sooner sleeps out the rest). Either key may be left out. Never
+            use it to train a model you care about: it only makes the run slower.
     """
 
     strategy_name = "hetero"
@@ -135,6 +141,7 @@ class HeteroStrategy(ParallelStrategy):
         offload: Union[Literal["auto", "none", "all"], Sequence[int]] = "auto",
         bucket_size_mb: float = 25.0,
         plan: Union[HeteroPlan, str, Path, None] = None,
+        emulated_speed: Optional[Mapping[str, float]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -194,6 +201,7 @@ class HeteroStrategy(ParallelStrategy):
         self._schedule = resolve_schedule(schedule, len(self._stage_devices), micro_batches)
         self._cpu_fraction = self._resolve_fraction(cpu_fraction, cpu_workers)
         self._start_method = start_method
+        self._emulated_speed = _check_emulated_speed(emulated_speed)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
@@ -214,6 +222,7 @@ class HeteroStrategy(ParallelStrategy):
         self._recorder: Optional[Recorder] = None
         self._clock: Optional[StepClock] = None
         self._samples = 0
+        self._step_fraction = 0.0
 
     # ------------------------------------------------------------------ layout
 
@@ -239,6 +248,17 @@ class HeteroStrategy(ParallelStrategy):
         return self.topology.role(self.local_rank)
 
     @property
+    def device_names(self) -> list[str]:
+        """Each global rank's name in logs: its role (``cpu0``, ``stage1``), ``node1.stage0`` on
+        further nodes."""
+        names = []
+        for rank in range(self.topology.world_size):
+            node, local = divmod(rank, self.topology.procs_per_node)
+            role = str(self.topology.role(local))
+            names.append(role if node == 0 else f"node{node}.{role}")
+        return names
+
+    @property
     def cpu_fraction(self) -> float:
         """The share of each batch the CPU workers compute."""
         return self._cpu_fraction
@@ -249,6 +269,21 @@ class HeteroStrategy(ParallelStrategy):
         if not 0.0 <= fraction <= 1.0 or (fraction > 0 and self._cpu_workers == 0):
             raise ValueError(f"A CPU fraction of {fraction} is not possible with {self._cpu_workers} CPU worker(s).")
         self._cpu_fraction = float(fraction)
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches the pipeline's share is cut into."""
+        return self._micro_batches
+
+    @property
+    def emulated_speed(self) -> dict[str, float]:
+        """TESTING ONLY: the samples per second workers are slowed down to (see the class doc)."""
+        return dict(self._emulated_speed)
+
+    def set_emulated_speed(self, speed: Optional[Mapping[str, float]]) -> None:
+        """TESTING ONLY: emulate other worker speeds from the next batch on (``None``: real speed).
+        Every rank must set the same value at the same step."""
+        self._emulated_speed = _check_emulated_speed(speed)
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
@@ -425,6 +460,11 @@ class HeteroStrategy(ParallelStrategy):
         if isinstance(self.precision_plugin, MixedPrecision):
             # Lightning picks one autocast device for the run; each hetero process computes on its own.
             self.precision_plugin.device = self.root_device.type
+        if self._emulated_speed:
+            rank_zero_warn(
+                f"`emulated_speed={self._emulated_speed}` slows this run down on purpose to emulate other devices:"
+                " it is for tests and benchmarks only."
+            )
         # Logged values are combined over the workers before Lightning sees them (`results.py`),
         # so its advice to pass `sync_dist=True` does not apply.
         warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
@@ -569,6 +609,9 @@ class HeteroStrategy(ParallelStrategy):
         overlap = self._overlap if self._sync_gradients and not (detached and self.role.is_cpu_worker) else None
         first_of_window = batch_idx % accumulate == 0 and not _overrides(module, "optimizer_zero_grad")
         grads: GradPolicy = "accumulate" if overlap is not None else "drop" if first_of_window else "keep"
+        self._step_fraction = self._cpu_fraction
+        speed = self._emulated_speed.get("cpu" if self.role.is_cpu_worker else "pipeline")
+        self._worker.pace = 1.0 / speed if speed else 0.0
         with self.precision_plugin.train_step_context():
             clock = self._clock
             if overlap is not None:
@@ -582,7 +625,7 @@ class HeteroStrategy(ParallelStrategy):
             if detached and self._overlap is not None:
                 self._stale = True
             if overlap is not None:
-                with _span(clock, "communicate"):
+                with _span(clock, "sync"):
                     overlap.finish()
                 if clock is not None:
                     clock.add("optimizer", overlap.step_seconds)
@@ -615,7 +658,7 @@ class HeteroStrategy(ParallelStrategy):
             if self._detached:
                 self._stale = True
             if not (self._detached and self.role.is_cpu_worker):
-                with _span(self._clock, "communicate"):
+                with _span(self._clock, "sync"):
                     self._grad_sync.all_reduce(detached=self._detached)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         if not self._sync_gradients:
@@ -648,26 +691,24 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Time what follows the closure (training step and backward): clipping and the step itself.
-        inside = 0.0
+        after_closure = time.perf_counter()
 
         def timed_closure() -> Any:
-            nonlocal inside
-            start = time.perf_counter()
+            nonlocal after_closure
             try:
                 return closure()
             finally:
-                inside = time.perf_counter() - start
+                after_closure = time.perf_counter()
 
-        start = time.perf_counter()
         result = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
         if self._clock is not None:
-            self._clock.add("optimizer", time.perf_counter() - start - inside)
+            self._clock.add_span("optimizer", after_closure, time.perf_counter())
         self._end_step_record()
         return result
 
     def _end_step_record(self) -> None:
         if self._recorder is not None and self._clock is not None:
-            self._recorder.end(self.lightning_module.trainer.global_step, self._samples)
+            self._recorder.end(self.lightning_module.trainer.global_step, self._samples, self._step_fraction)
             self._clock = None
 
     @property
@@ -675,12 +716,21 @@ class HeteroStrategy(ParallelStrategy):
         """This rank's recent training steps: what it computed, communicated, stepped and waited for."""
         return list(self._recorder.records) if self._recorder is not None else []
 
-    def gather_step_records(self) -> list[Optional[StepRecord]]:
-        """Every rank's latest step record, on every rank (a collective: call it on all ranks)."""
-        records: list[Any] = [None] * dist.get_world_size(self._control)
-        mine = self._recorder.last if self._recorder is not None else None
-        dist.all_gather_object(records, mine, group=self._control)
-        return records
+    def gather_step_records(self, count: int = 1, dst: Optional[int] = None) -> list[list[StepRecord]]:
+        """Every rank's latest ``count`` step records, indexed by global rank (a collective: call it
+        on all ranks). With ``dst``, only that global rank receives them; the others get ``[]``."""
+        return self.gather(self.step_records[-count:] if count > 0 else [], dst)
+
+    def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
+        """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
+        collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
+        if dst is None:
+            objects: list[Any] = [None] * dist.get_world_size(self._control)
+            dist.all_gather_object(objects, obj, group=self._control)
+            return objects
+        gathered: Optional[list[Any]] = [None] * dist.get_world_size(self._control) if self.global_rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst, group=self._control)
+        return gathered if gathered is not None else []
 
     @contextmanager
     @override
@@ -878,6 +928,19 @@ class HeteroStrategy(ParallelStrategy):
         )
 
 
+def _check_emulated_speed(speed: Optional[Mapping[str, float]]) -> dict[str, float]:
+    if speed is None:
+        return {}
+    if not isinstance(speed, Mapping) or not set(speed) <= {"cpu", "pipeline"}:
+        raise ValueError(
+            f"`emulated_speed={speed!r}` must map 'cpu' and/or 'pipeline' to samples per second (testing only)."
+        )
+    for key, value in speed.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"`emulated_speed[{key!r}]={value!r}` must be a positive number of samples per second.")
+    return {key: float(value) for key, value in speed.items()}
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}={value!r}` must be an integer >= {minimum}.")
@@ -956,6 +1019,11 @@ def _clip_with(plugin: Precision, strategy: "HeteroStrategy") -> None:
 
 def _span(clock: Optional[StepClock], kind: str) -> Any:
     return clock.span(kind) if clock is not None else nullcontext()
+
+
+def hetero_strategy(trainer: "pl.Trainer") -> Optional["HeteroStrategy"]:
+    """The trainer's strategy if it is a hetero one (for callbacks that only act on hetero runs)."""
+    return trainer.strategy if isinstance(trainer.strategy, HeteroStrategy) else None
 
 
 def _analyzer(trainer: "pl.Trainer") -> Any:

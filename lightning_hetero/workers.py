@@ -14,6 +14,7 @@ gradients are set aside and the strategy's ``backward`` adds them back (see ``_W
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, Callable, Literal
@@ -73,6 +74,19 @@ class _Worker:
         self.module = module
         self.params = list(params)
         self.fresh_grads: list[Tensor | None] | None = None
+        self.pace = 0.0
+        """TESTING ONLY: seconds per sample this worker's training share takes at least (the
+        strategy's ``emulated_speed``); 0 runs at the real speed."""
+
+    def _pad(self, samples: int, started: float, clock: Any = None, kind: str = "") -> None:
+        """Sleep out the rest of ``samples * pace`` seconds since ``started`` (timed as ``kind``)."""
+        now = time.perf_counter()
+        rest = samples * self.pace - (now - started)
+        if rest <= 0:
+            return
+        time.sleep(rest)
+        if clock is not None and kind:
+            clock.add_span(kind, now, time.perf_counter())
 
     def _train(self, compute: Callable[[], Any], grads: GradPolicy) -> Any:
         """Run ``compute()`` (forward and backward) under a policy for the gradients already there:
@@ -127,10 +141,12 @@ class CpuWorker(_Worker):
 
         @_timed(clock, "compute")
         def compute() -> tuple[WorkerReport, Any]:
+            started = time.perf_counter()
             share = slice_batch(batch, start, stop)
             report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
             weight = (stop - start) / (shares.batch_size * accumulate)
             self.module.backward(_loss_of(output, "training_step") * weight)
+            self._pad(stop - start, started)
             return report, output
 
         return self._train(compute, grads)
@@ -166,7 +182,10 @@ class StageWorker(_Worker):
 
         @_timed(clock, "pipeline")
         def compute() -> tuple[Any, float]:
-            return self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+            started = time.perf_counter()
+            result = self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+            self._pad(stop - start, started, clock, "stage")  # emulated work counts as this stage's compute
+            return result
 
         outputs, pipeline_loss = self._train(compute, grads)
         if not self.pipeline.is_last:
