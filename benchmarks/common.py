@@ -108,7 +108,12 @@ def synthetic_loader(samples: int, batch_size: int, features: int = 64) -> DataL
 
 
 def step_times(
-    strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, callbacks: list | None = None
+    strategy: Any,
+    model: L.LightningModule,
+    loader: DataLoader,
+    steps: int,
+    callbacks: list | None = None,
+    logger: Any = False,
 ) -> list[float]:
     """Train ``steps`` steps and return the per-step wall times after warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +122,7 @@ def step_times(
         trainer = L.Trainer(
             max_steps=steps,
             callbacks=[StepTimer(out), *(callbacks or [])],
-            logger=False,
+            logger=logger,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,

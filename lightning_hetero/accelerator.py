@@ -29,10 +29,13 @@ class HeteroAccelerator(Accelerator):
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
+    _strategy: Any = None
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         from lightning_hetero.strategy import HeteroStrategy
 
+        self._strategy = trainer.strategy
         if not isinstance(trainer.strategy, HeteroStrategy):
             raise ValueError(
                 "`accelerator='hetero'` places CPU workers and pipeline stages on their devices and only works"
@@ -41,10 +44,20 @@ class HeteroAccelerator(Accelerator):
 
     @override
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
-        device = torch.device(device)
-        if device.type == "cuda":
-            return torch.cuda.memory_stats(device)
-        return get_cpu_stats()
+        """The machine's CPU stats (as Lightning's CPU accelerator gives them), and every device of
+        the run, keyed ``<role>/<stat>`` (``cpu0/cpu_util``, ``stage1/gpu_util``; see
+        ``devices.device_stats``), so that Lightning's ``DeviceStatsMonitor``, which logs from
+        global rank 0, shows all of them. A collective in a running hetero run: Lightning calls it
+        on every rank at the same hooks."""
+        from lightning_hetero.devices import device_stats
+
+        stats = device_stats(torch.device(device))
+        strategy = self._strategy
+        if strategy is None or strategy.process_groups is None:
+            return {**get_cpu_stats(), **stats}
+        names = strategy.device_names
+        gathered = strategy.gather(stats)
+        return {**get_cpu_stats(), **{f"{names[r]}/{key}": value for r, theirs in enumerate(gathered) for key, value in theirs.items()}}
 
     @override
     def teardown(self) -> None:

@@ -17,6 +17,7 @@ cannot run gets its error before any process starts.
 from __future__ import annotations
 
 import io
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -50,12 +51,16 @@ class _Processes(_MultiProcessingLauncher):
         # copies them apart only for its CPUAccelerator. Each rank must own its parameters.
         if self._start_method in ("spawn", "forkserver"):
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        failed = True
         try:
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+            failed = False
         except BaseException as error:
             if _distributed_is_initialized():  # the error happened in this worker's run
                 error.add_note(self._strategy.describe_rank())
             raise
+        finally:
+            _finish_wandb_run(failed)
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
@@ -73,6 +78,14 @@ class _Processes(_MultiProcessingLauncher):
             module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
             trainer.strategy.precision_plugin.convert_module(module)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def _finish_wandb_run(failed: bool) -> None:
+    """A child process ends with ``os._exit``, so wandb's exit hook never runs there: finish the
+    run this process logged to (rank 0's), or what it logged never reaches its files."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=1 if failed else 0)
 
 
 class HeteroLauncher(_Launcher):

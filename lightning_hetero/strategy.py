@@ -247,6 +247,18 @@ class HeteroStrategy(ParallelStrategy):
     def role(self) -> Role:
         return self.topology.role(self.local_rank)
 
+    def layout(self) -> dict[str, Any]:
+        """This run's layout, for logs (a plan's, where the run follows one)."""
+        return {
+            "mode": self.mode,
+            "stages": [str(d) for d in self._stage_devices],
+            "cpu_workers": self._cpu_workers,
+            "micro_batches": self._micro_batches,
+            "schedule": self._schedule.__name__,
+            "cpu_fraction": self._cpu_fraction,
+            "num_nodes": self._num_nodes,
+        }
+
     @property
     def device_names(self) -> list[str]:
         """Each global rank's name in logs: its role (``cpu0``, ``stage1``), ``node1.stage0`` on

@@ -1,7 +1,9 @@
-"""Callbacks of a hetero run: the workload analyzer (plan the layout from measurements) and the
-adaptive rebalancer (keep the CPU fraction right while training)."""
+"""Callbacks of a hetero run: the workload analyzer (plan the layout from measurements), the
+adaptive rebalancer (keep the CPU fraction right while training) and the utilization monitor
+(what every device did)."""
 
 from lightning_hetero.callbacks.analyzer import WorkloadAnalyzer
+from lightning_hetero.callbacks.monitor import UtilizationMonitor
 from lightning_hetero.callbacks.rebalancer import AdaptiveRebalancer
 
-__all__ = ["AdaptiveRebalancer", "WorkloadAnalyzer"]
+__all__ = ["AdaptiveRebalancer", "UtilizationMonitor", "WorkloadAnalyzer"]

@@ -1,0 +1,258 @@
+"""``UtilizationMonitor``: what every CPU worker and stage did, per step, in the logger and on a timeline.
+
+Every ``every_n_steps`` optimizer steps, global rank 0 gathers the step records of every rank
+(``record.py``: the strategy's own timers, CUDA events on GPU stages) with each process's CPU
+utilization and, on GPU stages, NVML utilization and memory, and logs per device:
+
+- ``util/<device>/busy``: computing its share and stepping the optimizer;
+- ``util/<device>/comm``: summing gradients with the other workers;
+- ``util/<device>/idle``: the rest of the step: on a stage, the pipeline's sends, receives and
+  bubbles; waiting for the slower side; waiting for the next batch (also logged on their own as
+  ``util/<device>/bubble``, ``/wait`` and ``/data``);
+
+as fractions of the step that sum to 1, ``util/<device>/samples_per_s``, ``util/<device>/cpu_util``
+(the process's CPU time over its threads' capacity), GPU utilization and memory where there is
+CUDA, and ``throughput/samples_per_s`` and ``util/cpu_fraction`` for the run. ``<device>`` is the
+rank's role: ``cpu0``, ``stage0``, ``stage1``... (``node1.stage0`` on further nodes).
+
+Every ``image_every_n_steps`` a picture of the same (one stacked bar per device) goes to the
+loggers that take images (wandb), and at the end of training (and every ``trace_every_n_steps``)
+a Chrome trace of the last ``trace_steps`` steps of every rank is written (``trace.json`` in the
+log directory; open it in Perfetto or chrome://tracing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_hetero.devices import device_stats
+from lightning_hetero.record import StepRecord
+from lightning_hetero.strategy import hetero_strategy
+
+if TYPE_CHECKING:
+    from lightning_hetero.strategy import HeteroStrategy
+
+__all__ = ["UtilizationMonitor", "device_fractions", "chrome_trace", "utilization_image"]
+
+_COLORS = {"busy": (46, 160, 67), "comm": (31, 119, 180), "idle": (200, 200, 200)}
+
+
+def device_fractions(records: Sequence[StepRecord]) -> dict[str, float]:
+    """One rank's busy / comm / idle fractions over ``records`` (they sum to 1), with the parts of
+    idle, and its samples per second."""
+    total = sum(r.total for r in records)
+    if total <= 0:
+        return {}
+    busy = min(1.0, sum(r.compute + r.optimizer for r in records) / total)
+    comm = min(1.0 - busy, sum(r.sync for r in records) / total)
+    return {
+        "busy": busy,
+        "comm": comm,
+        "idle": 1.0 - busy - comm,
+        "bubble": sum(r.communicate - r.sync for r in records) / total,
+        "wait": sum(r.wait for r in records) / total,
+        "data": sum(r.data for r in records) / total,
+        "samples_per_s": sum(r.samples for r in records) / total,
+    }
+
+
+def utilization_image(fractions: dict[str, dict[str, float]], width: int = 400, row: int = 24) -> np.ndarray:
+    """One horizontal stacked bar per device (busy green, comm blue, idle grey), as an RGB array."""
+    names = list(fractions)
+    image = np.full((max(1, len(names)) * row, width, 3), 255, dtype=np.uint8)
+    for i, name in enumerate(names):
+        start = 0
+        for kind in ("busy", "comm", "idle"):
+            stop = min(width, start + round(fractions[name].get(kind, 0.0) * width))
+            image[i * row + 2 : (i + 1) * row - 2, start:stop] = _COLORS[kind]
+            start = stop
+    return image
+
+
+_TRACE_NAMES = {
+    "compute": "compute",
+    "stage": "compute",
+    "pipeline": "send/recv (and bubbles)",
+    "sync": "all-reduce",
+    "optimizer": "optimizer step",
+    "wait": "wait for the other workers",
+    "data": "data and loop",
+}
+
+
+def _flatten(spans: Sequence[tuple[str, float, float]], start: float, stop: float) -> list[tuple[str, float, float]]:
+    """Disjoint segments covering ``[start, stop)``: each labelled by the innermost span over it
+    ("idle" where none is)."""
+    bounds = sorted({start, stop, *(t for _, a, b in spans for t in (a, b) if start <= t <= stop)})
+    segments: list[tuple[str, float, float]] = []
+    for a, b in zip(bounds, bounds[1:]):
+        middle = (a + b) / 2
+        covering = [(e - s, kind) for kind, s, e in spans if s <= middle < e]
+        kind = min(covering)[1] if covering else "idle"
+        if segments and segments[-1][0] == kind and segments[-1][2] == a:
+            segments[-1] = (kind, segments[-1][1], b)
+        else:
+            segments.append((kind, a, b))
+    return segments
+
+
+def chrome_trace(records: Sequence[Sequence[StepRecord]]) -> dict[str, Any]:
+    """A Chrome trace (Perfetto, chrome://tracing) of the given steps: one track per rank, each
+    step's time split into what the rank was doing."""
+    events: list[dict[str, Any]] = []
+    for rank_records in records:
+        if not rank_records:
+            continue
+        rank, role = rank_records[0].rank, rank_records[0].role
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({role})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for record in rank_records:
+            if record.end <= record.start:
+                continue
+            spans = [(_TRACE_NAMES.get(kind, kind), a, b) for kind, a, b in record.spans]
+            for kind, a, b in _flatten(spans, record.start, record.end):
+                events.append(
+                    {
+                        "name": kind,
+                        "cat": "step",
+                        "ph": "X",
+                        "ts": a * 1e6,
+                        "dur": (b - a) * 1e6,
+                        "pid": rank,
+                        "tid": 0,
+                        "args": {"step": record.step},
+                    }
+                )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class UtilizationMonitor(L.Callback):
+    """Log what every CPU worker and stage did in each step (see the module doc for the keys).
+
+    Args:
+        every_n_steps: optimizer steps per logged window (default: the trainer's
+            ``log_every_n_steps``); the values are averages over the window.
+        image_every_n_steps: steps between pictures for loggers that take images (0: none).
+        trace_steps: the steps of every rank the Chrome trace shows (the latest ones).
+        trace_every_n_steps: also write the trace every this many steps (0: at the end of training only).
+        save_dir: where ``trace.json`` goes (default: the trainer's log directory).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = None,
+        image_every_n_steps: int = 500,
+        trace_steps: int = 20,
+        trace_every_n_steps: int = 0,
+        save_dir: Optional[str] = None,
+    ) -> None:
+        for name, value, minimum in (
+            ("every_n_steps", 1 if every_n_steps is None else every_n_steps, 1),
+            ("image_every_n_steps", image_every_n_steps, 0),
+            ("trace_steps", trace_steps, 1),
+            ("trace_every_n_steps", trace_every_n_steps, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`UtilizationMonitor({name}={value!r})` must be an integer of at least {minimum}.")
+        self.every_n_steps = every_n_steps
+        self.image_every_n_steps = image_every_n_steps
+        self.trace_steps = trace_steps
+        self.trace_every_n_steps = trace_every_n_steps
+        self.save_dir = save_dir
+        self.last: dict[str, float] = {}
+        """The metrics of the latest window (global rank 0)."""
+        self._batches = 0
+        self._last_step = -1
+        self._last_image = 0
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._enabled = hetero_strategy(trainer) is not None
+        if not self._enabled:
+            rank_zero_warn("UtilizationMonitor reports the devices of `strategy='hetero'`; this run does not use it.")
+            return
+        strategy = hetero_strategy(trainer)
+        assert strategy is not None
+        device_stats(strategy.root_device)  # start the CPU-time meter
+        self._batches, self._last_step = 0, trainer.global_step
+        layout = strategy.plan.as_dict() if strategy.plan is not None else strategy.layout()
+        for logger in trainer.loggers:  # the run's config (rank 0 only: loggers log there)
+            logger.log_hyperparams({"hetero_layout": layout})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        strategy = hetero_strategy(trainer)
+        if strategy is None or not self._enabled:
+            return
+        self._batches += 1
+        if trainer.global_step == self._last_step:
+            return  # accumulating
+        self._last_step = trainer.global_step
+        every = self.every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every == 0:
+            self._log(trainer, strategy)
+        if self.trace_every_n_steps and trainer.global_step % self.trace_every_n_steps == 0:
+            self._write_trace(trainer, strategy)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = hetero_strategy(trainer)
+        if strategy is not None and self._enabled:
+            self._write_trace(trainer, strategy)
+
+    # ------------------------------------------------------------------ logging
+
+    def _log(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> None:
+        count, self._batches = self._batches, 0
+        records = strategy.step_records[-count:]
+        # Each rank summarizes its own steps; only the numbers travel.
+        mine = (device_fractions(records), device_stats(strategy.root_device), sum(r.samples for r in records), sum(r.total for r in records))
+        gathered = strategy.gather(mine, dst=0)
+        if not trainer.is_global_zero:
+            return
+        names = strategy.device_names
+        metrics: dict[str, float] = {"util/cpu_fraction": strategy.cpu_fraction}
+        fractions: dict[str, dict[str, float]] = {}
+        for rank, (values, stats, _, _) in enumerate(gathered):
+            fractions[names[rank]] = values
+            for key, value in {**values, **stats}.items():
+                metrics[f"util/{names[rank]}/{key}"] = value
+        seconds = gathered[0][3]
+        if seconds > 0:
+            metrics["throughput/samples_per_s"] = sum(samples for _, _, samples, _ in gathered) / seconds
+        self.last = metrics
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if self.image_every_n_steps and trainer.global_step - self._last_image >= self.image_every_n_steps:
+            self._last_image = trainer.global_step
+            self._log_image(trainer, fractions)
+
+    def _log_image(self, trainer: L.Trainer, fractions: dict[str, dict[str, float]]) -> None:
+        image = utilization_image(fractions)
+        caption = "busy (green), comm (blue), idle (grey): " + ", ".join(fractions)
+        for logger in trainer.loggers:
+            log_image = getattr(logger, "log_image", None)
+            if log_image is not None:
+                log_image(key="util/devices", images=[image], step=trainer.global_step, caption=[caption])
+
+    # -------------------------------------------------------------------- trace
+
+    def _write_trace(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> None:
+        records = strategy.gather_step_records(self.trace_steps, dst=0)
+        directory = Path(self.save_dir or trainer.log_dir or trainer.default_root_dir)  # a collective: every rank
+        if not trainer.is_global_zero:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "trace.json"
+        partial = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        partial.write_text(json.dumps(chrome_trace(records)))
+        partial.replace(path)  # never a half-written trace
+        self.trace_path = path

@@ -1,0 +1,140 @@
+"""The utilization monitor: per-device keys through a real offline WandbLogger (read back with wandb's
+own tooling) and CSVLogger, Lightning's DeviceStatsMonitor on the hetero accelerator, and the
+Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lightning_hetero.callbacks import UtilizationMonitor
+from lightning_hetero.callbacks.monitor import _flatten, chrome_trace, device_fractions, utilization_image
+from lightning_hetero.record import StepRecord
+from tests.conftest import hetero, trainer
+from tests.models import Net, read_metrics, regression_data
+
+DEVICES = ("cpu0", "stage0", "stage1")
+STEPS = 6
+
+
+def check_device_keys(metrics: dict[str, Any]) -> None:
+    """Every device's fractions are in [0, 1] and sum to 1; the throughputs are positive."""
+    for device in DEVICES:
+        parts = [metrics[f"util/{device}/{kind}"] for kind in ("busy", "comm", "idle")]
+        assert all(0.0 <= p <= 1.0 for p in parts), (device, parts)
+        assert sum(parts) == pytest.approx(1.0, abs=1e-6)
+        for key in ("bubble", "wait", "data", "cpu_util", "rss_gb"):
+            assert metrics[f"util/{device}/{key}"] >= 0.0, key
+        assert metrics[f"util/{device}/samples_per_s"] > 0.0
+    assert metrics["util/stage1/busy"] > 0.0 and metrics["util/cpu0/busy"] > 0.0
+    assert metrics["throughput/samples_per_s"] > 0.0
+    assert metrics["util/cpu_fraction"] == pytest.approx(0.5)
+
+
+def test_wandb_offline_run_holds_every_device_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="hetero-test", save_dir=str(tmp_path), offline=True)
+    monitor = UtilizationMonitor(every_n_steps=2, image_every_n_steps=2)
+    trainer(hetero(cpu_fraction=0.5), logger=logger, max_steps=STEPS, callbacks=[monitor]).fit(Net(), regression_data())
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    inspected = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(run_dir)],
+        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_SILENT": "true"},
+    )
+    summary = json.loads(inspected.stdout)
+    metrics = _find_metrics(summary)
+    check_device_keys(metrics)
+    assert "util/devices" in metrics  # the picture
+    assert summary["config"]["hetero_layout"]["stages"] == ["cpu", "cpu"]  # the layout as run config
+
+
+def _find_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The latest metric values in `wandb leet inspect --summary --json`'s object."""
+    for key in ("summary", "metrics", "latest_metrics", "history"):
+        if isinstance(summary.get(key), dict) and any(k.startswith("util/") for k in summary[key]):
+            return summary[key]
+    raise AssertionError(f"no metrics in {sorted(summary)}")
+
+
+def test_csv_logger_holds_every_device_key(tmp_path: Path) -> None:
+    monitor = UtilizationMonitor(every_n_steps=2)
+    trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=STEPS, callbacks=[monitor]).fit(Net(), regression_data())
+    rows = [row for row in read_metrics(tmp_path) if "util/cpu0/busy" in row]
+    assert [int(row["step"]) for row in rows] == [2, 4, 6]
+    for row in rows:
+        check_device_keys(row)
+
+
+def test_device_stats_monitor_shows_every_device(tmp_path: Path) -> None:
+    trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=3, callbacks=[DeviceStatsMonitor()]).fit(
+        Net(), regression_data()
+    )
+    keys = {key for row in read_metrics(tmp_path) for key in row}
+    for device in DEVICES:
+        assert any(key.endswith(f"{device}/cpu_util") for key in keys), sorted(keys)
+        assert any(key.endswith(f"{device}/rss_gb") for key in keys)
+
+
+def test_trace_is_chrome_json_with_a_track_per_rank(tmp_path: Path) -> None:
+    monitor = UtilizationMonitor(every_n_steps=3, trace_steps=4, save_dir=str(tmp_path))
+    trainer(hetero(cpu_fraction=0.5), max_steps=STEPS, callbacks=[monitor]).fit(Net(), regression_data())
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0 (cpu0)", "rank 1 (stage0)", "rank 2 (stage1)"}
+    for rank in range(3):
+        track = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
+        assert len({e["args"]["step"] for e in track}) == 4
+        assert all(e["dur"] >= 0 for e in track)
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(track, track[1:]))  # no overlap
+    kinds = {e["name"] for e in spans}
+    assert {"compute", "all-reduce", "optimizer step"} <= kinds
+    assert any(e["name"] == "send/recv (and bubbles)" for e in spans if e["pid"] == 2)
+
+
+def test_flatten_labels_each_moment_by_its_innermost_span() -> None:
+    spans = [("pipeline", 1.0, 5.0), ("compute", 2.0, 3.0), ("optimizer", 6.0, 7.0)]
+    assert _flatten(spans, 0.0, 8.0) == [
+        ("idle", 0.0, 1.0),
+        ("pipeline", 1.0, 2.0),
+        ("compute", 2.0, 3.0),
+        ("pipeline", 3.0, 5.0),
+        ("idle", 5.0, 6.0),
+        ("optimizer", 6.0, 7.0),
+        ("idle", 7.0, 8.0),
+    ]
+
+
+def test_fractions_sum_to_one_even_when_the_optimizer_overlaps_the_backward() -> None:
+    # Fine mode: the bucket steps run beside the backward, so compute + optimizer can exceed the step.
+    record = StepRecord(step=0, rank=0, role="cpu0", samples=8, compute=0.8, optimizer=0.4, sync=0.1,
+                        communicate=0.1, total=1.0)
+    values = device_fractions([record])
+    assert values["busy"] == 1.0 and values["comm"] == 0.0 and values["idle"] == 0.0
+    assert values["samples_per_s"] == 8.0
+
+
+def test_image_has_a_bar_per_device() -> None:
+    image = utilization_image({"cpu0": {"busy": 0.5, "comm": 0.25, "idle": 0.25}, "stage0": {"busy": 1.0}}, width=100)
+    assert image.shape == (48, 100, 3)
+    assert tuple(image[12, 10]) == (46, 160, 67) and tuple(image[12, 60]) == (31, 119, 180)
+    assert tuple(image[36, 99]) == (46, 160, 67)
+
+
+def test_chrome_trace_of_no_records_is_empty() -> None:
+    assert chrome_trace([[], []]) == {"traceEvents": [], "displayTimeUnit": "ms"}
+
+
+@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"trace_steps": 0}, {"image_every_n_steps": -1}])
+def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="must be an integer"):
+        UtilizationMonitor(**kwargs)
