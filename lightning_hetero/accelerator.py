@@ -44,20 +44,15 @@ class HeteroAccelerator(Accelerator):
 
     @override
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
-        """The machine's CPU stats (as Lightning's CPU accelerator gives them), and every device of
-        the run, keyed ``<role>/<stat>`` (``cpu0/cpu_util``, ``stage1/gpu_util``; see
-        ``devices.device_stats``), so that Lightning's ``DeviceStatsMonitor``, which logs from
-        global rank 0, shows all of them. A collective in a running hetero run: Lightning calls it
-        on every rank at the same hooks."""
+        """The machine's CPU stats (as Lightning's CPU accelerator gives them), this process's and
+        its device's (``devices.device_stats``), and, in a running hetero run with Lightning's
+        ``DeviceStatsMonitor``, every device's latest, keyed ``<device>/<stat>`` (``cpu0/cpu_util``,
+        ``stage1/gpu_util``): they arrive with each step's results, so no collective runs here."""
         from lightning_hetero.devices import device_stats
 
-        stats = device_stats(torch.device(device))
-        strategy = self._strategy
-        if strategy is None or strategy.process_groups is None:
-            return {**get_cpu_stats(), **stats}
-        names = strategy.device_names
-        gathered = strategy.gather(stats)
-        return {**get_cpu_stats(), **{f"{names[r]}/{key}": value for r, theirs in enumerate(gathered) for key, value in theirs.items()}}
+        stats = {**get_cpu_stats(), **device_stats(torch.device(device))}
+        others = getattr(self._strategy, "latest_device_stats", None) or {}
+        return {**stats, **{f"{name}/{key}": value for name, theirs in others.items() for key, value in theirs.items()}}
 
     @override
     def teardown(self) -> None:

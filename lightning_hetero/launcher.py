@@ -17,7 +17,9 @@ cannot run gets its error before any process starts.
 from __future__ import annotations
 
 import io
+import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -82,10 +84,16 @@ class _Processes(_MultiProcessingLauncher):
 
 def _finish_wandb_run(failed: bool) -> None:
     """A child process ends with ``os._exit``, so wandb's exit hook never runs there: finish the
-    run this process logged to (rank 0's), or what it logged never reaches its files."""
+    run this process started (rank 0's logger run), or what it logged never reaches its files.
+    A run the main process started (and this one inherited by fork or attached to) is left alone."""
     wandb = sys.modules.get("wandb")
-    if wandb is not None and getattr(wandb, "run", None) is not None:
-        wandb.finish(exit_code=1 if failed else 0)
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None or getattr(run, "_init_pid", None) != os.getpid() or getattr(run, "_is_attached", True):
+        return
+    try:
+        run.finish(exit_code=1 if failed else 0)
+    except Exception as error:  # never hide the run's own outcome behind the logger's
+        warnings.warn(f"Could not finish the wandb run of this worker: {error!r}")
 
 
 class HeteroLauncher(_Launcher):

@@ -69,6 +69,8 @@ class WorkerReport:
     loss: float | None = None
     loss_dtype: torch.dtype | None = None
     logs: list[LoggedValue] = field(default_factory=list)
+    device: dict[str, float] | None = None
+    """The rank's process and device stats (``devices.device_stats``), where the run reports them."""
 
 
 class LogCapture:

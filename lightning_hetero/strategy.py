@@ -38,6 +38,7 @@ from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -55,6 +56,7 @@ import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.launcher import HeteroLauncher
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.devices import device_stats
 from lightning_hetero.module import check_model_contract, layer_names
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
@@ -223,6 +225,9 @@ class HeteroStrategy(ParallelStrategy):
         self._clock: Optional[StepClock] = None
         self._samples = 0
         self._step_fraction = 0.0
+        self._report_device_stats = False
+        self.latest_device_stats: dict[str, dict[str, float]] = {}
+        """Every device's latest process and device stats, by device name (with ``DeviceStatsMonitor``)."""
 
     # ------------------------------------------------------------------ layout
 
@@ -511,6 +516,9 @@ class HeteroStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        # Lightning's DeviceStatsMonitor logs from rank 0: every rank sends its stats along with
+        # each step's results, so the accelerator answers there without a collective of its own.
+        self._report_device_stats = any(isinstance(cb, DeviceStatsMonitor) for cb in trainer.callbacks)
 
     def _stage_params(self, stage: int) -> list[nn.Parameter]:
         """The parameters of ``stage``'s layers, frozen ones included (they may be unfrozen later)."""
@@ -653,7 +661,11 @@ class HeteroStrategy(ParallelStrategy):
 
     def _finish_step(self, report: WorkerReport) -> list[WorkerReport]:
         """Share every rank's report and log the combined values here, so every rank logs the same."""
+        if self._report_device_stats:
+            report.device = device_stats(self.root_device, meter="step")
         reports = exchange(report, self._control)
+        if self._report_device_stats:
+            self.latest_device_stats = {name: r.device or {} for name, r in zip(self.device_names, reports)}
         relog(self.lightning_module, combine_logs(reports), self.root_device)
         return reports
 

@@ -15,7 +15,7 @@ import pytest
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lightning_hetero.callbacks import UtilizationMonitor
+from lightning_hetero.callbacks import AdaptiveRebalancer, UtilizationMonitor
 from lightning_hetero.callbacks.monitor import _flatten, chrome_trace, device_fractions, utilization_image
 from lightning_hetero.record import StepRecord
 from tests.conftest import hetero, trainer
@@ -31,11 +31,14 @@ def check_device_keys(metrics: dict[str, Any]) -> None:
         parts = [metrics[f"util/{device}/{kind}"] for kind in ("busy", "comm", "idle")]
         assert all(0.0 <= p <= 1.0 for p in parts), (device, parts)
         assert sum(parts) == pytest.approx(1.0, abs=1e-6)
-        for key in ("bubble", "wait", "data", "cpu_util", "rss_gb"):
-            assert metrics[f"util/{device}/{key}"] >= 0.0, key
+        parts = [metrics[f"util/{device}/{key}"] for key in ("bubble", "wait", "data", "other")]
+        assert all(p >= 0.0 for p in parts) and sum(parts) == pytest.approx(metrics[f"util/{device}/idle"], abs=1e-6)
+        assert metrics[f"util/{device}/cpu_util"] >= 0.0 and metrics[f"util/{device}/rss_gb"] > 0.0
         assert metrics[f"util/{device}/samples_per_s"] > 0.0
     assert metrics["util/stage1/busy"] > 0.0 and metrics["util/cpu0/busy"] > 0.0
-    assert metrics["throughput/samples_per_s"] > 0.0
+    # Every sample counted once: the CPU worker's share and the pipeline's (not once per stage).
+    expected = metrics["util/cpu0/samples_per_s"] + metrics["util/stage0/samples_per_s"]
+    assert metrics["throughput/samples_per_s"] == pytest.approx(expected, rel=0.25)
     assert metrics["util/cpu_fraction"] == pytest.approx(0.5)
 
 
@@ -46,15 +49,20 @@ def test_wandb_offline_run_holds_every_device_key(tmp_path: Path, monkeypatch: p
     monitor = UtilizationMonitor(every_n_steps=2, image_every_n_steps=2)
     trainer(hetero(cpu_fraction=0.5), logger=logger, max_steps=STEPS, callbacks=[monitor]).fit(Net(), regression_data())
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    inspected = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(run_dir)],
-        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_SILENT": "true"},
-    )
-    summary = json.loads(inspected.stdout)
+    summary = _inspect(run_dir)
     metrics = _find_metrics(summary)
     check_device_keys(metrics)
     assert "util/devices" in metrics  # the picture
     assert summary["config"]["hetero_layout"]["stages"] == ["cpu", "cpu"]  # the layout as run config
+
+
+def _inspect(run_dir: Path) -> dict[str, Any]:
+    """wandb's own reading of an offline run: state, latest metrics and config."""
+    inspected = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(run_dir)],
+        capture_output=True, text=True, check=True, env={**os.environ, "WANDB_SILENT": "true"},
+    )
+    return json.loads(inspected.stdout)
 
 
 def _find_metrics(summary: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +98,7 @@ def test_trace_is_chrome_json_with_a_track_per_rank(tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert min(e["ts"] for e in spans) == pytest.approx(0.0, abs=0.1) and trace["otherData"]["origin_unix_s"] > 1.7e9  # wall clock
     assert names == {"rank 0 (cpu0)", "rank 1 (stage0)", "rank 2 (stage1)"}
     for rank in range(3):
         track = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
@@ -114,13 +123,48 @@ def test_flatten_labels_each_moment_by_its_innermost_span() -> None:
     ]
 
 
-def test_fractions_sum_to_one_even_when_the_optimizer_overlaps_the_backward() -> None:
-    # Fine mode: the bucket steps run beside the backward, so compute + optimizer can exceed the step.
+def test_work_beside_the_step_takes_none_of_its_time() -> None:
+    # Fine mode: the bucket steps run in their own thread beside the backward (no span), so they
+    # do not push the all-reduce's time out of the fractions.
     record = StepRecord(step=0, rank=0, role="cpu0", samples=8, compute=0.8, optimizer=0.4, sync=0.1,
-                        communicate=0.1, total=1.0)
+                        communicate=0.1, total=1.0, start=0.0, end=1.0,
+                        spans=[("compute", 0.0, 0.8), ("sync", 0.8, 0.9)])
     values = device_fractions([record])
-    assert values["busy"] == 1.0 and values["comm"] == 0.0 and values["idle"] == 0.0
+    assert values["busy"] == pytest.approx(0.8) and values["comm"] == pytest.approx(0.1)
+    assert values["idle"] == pytest.approx(0.1) and values["other"] == pytest.approx(0.1)
     assert values["samples_per_s"] == 8.0
+
+
+def test_monitors_and_rebalancer_together_with_accumulation(tmp_path: Path) -> None:
+    # Three callbacks that talk to every rank in the same hooks, gradient accumulation, and
+    # DeviceStatsMonitor(cpu_stats=False), which skips CPU ranks: nothing may wait on another.
+    callbacks = [
+        AdaptiveRebalancer(every_n_steps=2, warmup_steps=0),
+        UtilizationMonitor(every_n_steps=1, save_dir=str(tmp_path)),
+        DeviceStatsMonitor(),
+        DeviceStatsMonitor(cpu_stats=False),
+    ]
+    trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=4, accumulate_grad_batches=2, callbacks=callbacks).fit(
+        Net(), regression_data(n=96, batch_size=12)
+    )
+    rows = [row for row in read_metrics(tmp_path) if "util/cpu0/busy" in row]
+    assert [int(row["step"]) for row in rows] == [1, 2, 3, 4]
+    assert (tmp_path / "trace.json").exists()
+
+
+def test_a_run_the_main_process_started_stays_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="hetero-test")
+    try:
+        trainer(hetero(cpu_fraction=0.5), max_steps=2).fit(Net(), regression_data())  # forked ranks inherit `run`
+        run.log({"after_fit": 7.0})  # still the parent's, still open
+    finally:
+        run.finish()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    summary = _inspect(run_dir)
+    assert summary["summary"]["after_fit"] == 7.0
 
 
 def test_image_has_a_bar_per_device() -> None:
@@ -131,7 +175,7 @@ def test_image_has_a_bar_per_device() -> None:
 
 
 def test_chrome_trace_of_no_records_is_empty() -> None:
-    assert chrome_trace([[], []]) == {"traceEvents": [], "displayTimeUnit": "ms"}
+    assert chrome_trace([[], []])["traceEvents"] == []
 
 
 @pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"trace_steps": 0}, {"image_every_n_steps": -1}])

@@ -7,8 +7,8 @@ utilization and, on GPU stages, NVML utilization and memory, and logs per device
 - ``util/<device>/busy``: computing its share and stepping the optimizer;
 - ``util/<device>/comm``: summing gradients with the other workers;
 - ``util/<device>/idle``: the rest of the step: on a stage, the pipeline's sends, receives and
-  bubbles; waiting for the slower side; waiting for the next batch (also logged on their own as
-  ``util/<device>/bubble``, ``/wait`` and ``/data``);
+  bubbles; waiting for the slower side; waiting for the next batch and the loop; anything else
+  (also logged on their own as ``util/<device>/bubble``, ``/wait``, ``/data`` and ``/other``);
 
 as fractions of the step that sum to 1, ``util/<device>/samples_per_s``, ``util/<device>/cpu_util``
 (the process's CPU time over its threads' capacity), GPU utilization and memory where there is
@@ -26,13 +26,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_hetero.devices import device_stats
@@ -47,23 +49,32 @@ __all__ = ["UtilizationMonitor", "device_fractions", "chrome_trace", "utilizatio
 _COLORS = {"busy": (46, 160, 67), "comm": (31, 119, 180), "idle": (200, 200, 200)}
 
 
+_BUSY = ("compute", "stage", "optimizer")
+
+
 def device_fractions(records: Sequence[StepRecord]) -> dict[str, float]:
-    """One rank's busy / comm / idle fractions over ``records`` (they sum to 1), with the parts of
-    idle, and its samples per second."""
+    """One rank's busy / comm / idle fractions of the wall time of ``records`` (they sum to 1),
+    the parts of idle, and its samples per second. Work that ran beside the step's own timeline
+    (fine mode's bucket steps, in their own thread) is left out: it took no time of the step."""
     total = sum(r.total for r in records)
     if total <= 0:
         return {}
-    busy = min(1.0, sum(r.compute + r.optimizer for r in records) / total)
-    comm = min(1.0 - busy, sum(r.sync for r in records) / total)
-    return {
-        "busy": busy,
-        "comm": comm,
-        "idle": 1.0 - busy - comm,
+
+    def timed(kinds: tuple[str, ...]) -> float:
+        return sum(b - a for r in records for kind, a, b in r.spans if kind in kinds)
+
+    busy = min(1.0, timed(_BUSY) / total)
+    comm = min(1.0 - busy, timed(("sync",)) / total)
+    idle = 1.0 - busy - comm
+    parts = {
         "bubble": sum(r.communicate - r.sync for r in records) / total,
         "wait": sum(r.wait for r in records) / total,
         "data": sum(r.data for r in records) / total,
-        "samples_per_s": sum(r.samples for r in records) / total,
     }
+    parts = {key: min(value, idle) for key, value in parts.items()}
+    other = max(0.0, idle - sum(parts.values()))
+    return {"busy": busy, "comm": comm, "idle": idle, **parts, "other": other,
+            "samples_per_s": sum(r.samples for r in records) / total}
 
 
 def utilization_image(fractions: dict[str, dict[str, float]], width: int = 400, row: int = 24) -> np.ndarray:
@@ -106,15 +117,25 @@ def _flatten(spans: Sequence[tuple[str, float, float]], start: float, stop: floa
     return segments
 
 
-def chrome_trace(records: Sequence[Sequence[StepRecord]]) -> dict[str, Any]:
+def chrome_trace(
+    records: Sequence[Sequence[StepRecord]],
+    names: Optional[Sequence[str]] = None,
+    offsets: Optional[Sequence[float]] = None,
+) -> dict[str, Any]:
     """A Chrome trace (Perfetto, chrome://tracing) of the given steps: one track per rank, each
-    step's time split into what the rank was doing."""
+    step's time split into what the rank was doing. ``offsets[rank]`` turns that rank's
+    ``perf_counter`` times into wall-clock times (so that tracks of several machines line up)."""
     events: list[dict[str, Any]] = []
-    for rank_records in records:
+    shifts = list(offsets) if offsets is not None else [0.0] * len(records)
+    starts = [r.start + shift for rank_records, shift in zip(records, shifts) for r in rank_records]
+    origin = min(starts, default=0.0)  # times count from the first step shown (precise in microseconds)
+    for index, rank_records in enumerate(records):
         if not rank_records:
             continue
-        rank, role = rank_records[0].rank, rank_records[0].role
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({role})"}})
+        rank = rank_records[0].rank
+        name = names[index] if names is not None else rank_records[0].role
+        shift = shifts[index] - origin
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({name})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
         for record in rank_records:
             if record.end <= record.start:
@@ -126,14 +147,14 @@ def chrome_trace(records: Sequence[Sequence[StepRecord]]) -> dict[str, Any]:
                         "name": kind,
                         "cat": "step",
                         "ph": "X",
-                        "ts": a * 1e6,
+                        "ts": (a + shift) * 1e6,
                         "dur": (b - a) * 1e6,
                         "pid": rank,
                         "tid": 0,
                         "args": {"step": record.step},
                     }
                 )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin if offsets else None}}
 
 
 class UtilizationMonitor(L.Callback):
@@ -141,9 +162,10 @@ class UtilizationMonitor(L.Callback):
 
     Args:
         every_n_steps: optimizer steps per logged window (default: the trainer's
-            ``log_every_n_steps``); the values are averages over the window.
+            ``log_every_n_steps``; 0 there turns the logging off); the values are averages over
+            the window.
         image_every_n_steps: steps between pictures for loggers that take images (0: none).
-        trace_steps: the steps of every rank the Chrome trace shows (the latest ones).
+        trace_steps: the training batches of every rank the Chrome trace shows (the latest ones).
         trace_every_n_steps: also write the trace every this many steps (0: at the end of training only).
         save_dir: where ``trace.json`` goes (default: the trainer's log directory).
     """
@@ -183,11 +205,13 @@ class UtilizationMonitor(L.Callback):
             return
         strategy = hetero_strategy(trainer)
         assert strategy is not None
-        device_stats(strategy.root_device)  # start the CPU-time meter
-        self._batches, self._last_step = 0, trainer.global_step
+        device_stats(strategy.root_device, meter="monitor")  # start the CPU-time meter
+        self._batches, self._last_step, self._last_image, self.last = 0, trainer.global_step, trainer.global_step, {}
         layout = strategy.plan.as_dict() if strategy.plan is not None else strategy.layout()
-        for logger in trainer.loggers:  # the run's config (rank 0 only: loggers log there)
-            logger.log_hyperparams({"hetero_layout": layout})
+        if trainer.is_global_zero:
+            with _warn_on_error("log the layout"):
+                for logger in trainer.loggers:  # the run's config
+                    logger.log_hyperparams({"hetero_layout": layout})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = hetero_strategy(trainer)
@@ -198,7 +222,7 @@ class UtilizationMonitor(L.Callback):
             return  # accumulating
         self._last_step = trainer.global_step
         every = self.every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every == 0:
+        if every and trainer.global_step % every == 0:
             self._log(trainer, strategy)
         if self.trace_every_n_steps and trainer.global_step % self.trace_every_n_steps == 0:
             self._write_trace(trainer, strategy)
@@ -214,20 +238,28 @@ class UtilizationMonitor(L.Callback):
         count, self._batches = self._batches, 0
         records = strategy.step_records[-count:]
         # Each rank summarizes its own steps; only the numbers travel.
-        mine = (device_fractions(records), device_stats(strategy.root_device), sum(r.samples for r in records), sum(r.total for r in records))
+        samples = sum(r.samples for r in records)
+        mine = (device_fractions(records), device_stats(strategy.root_device, meter="monitor"), samples)
         gathered = strategy.gather(mine, dst=0)
-        if not trainer.is_global_zero:
-            return
+        if trainer.is_global_zero:
+            with _warn_on_error("log utilization"):
+                self._log_on_rank_zero(trainer, strategy, records, gathered)
+
+    def _log_on_rank_zero(
+        self, trainer: L.Trainer, strategy: "HeteroStrategy", records: Sequence[StepRecord], gathered: list[Any]
+    ) -> None:
         names = strategy.device_names
-        metrics: dict[str, float] = {"util/cpu_fraction": strategy.cpu_fraction}
+        fraction = sum(r.cpu_fraction for r in records) / len(records) if records else strategy.cpu_fraction
+        metrics: dict[str, float] = {"util/cpu_fraction": fraction}
         fractions: dict[str, dict[str, float]] = {}
-        for rank, (values, stats, _, _) in enumerate(gathered):
+        for rank, (values, stats, _) in enumerate(gathered):
             fractions[names[rank]] = values
             for key, value in {**values, **stats}.items():
                 metrics[f"util/{names[rank]}/{key}"] = value
-        seconds = gathered[0][3]
-        if seconds > 0:
-            metrics["throughput/samples_per_s"] = sum(samples for _, _, samples, _ in gathered) / seconds
+        seconds = sum(r.total for r in records)
+        if seconds > 0:  # each sample once: the CPU workers' shares and one stage's per node
+            counted = [samples for name, (_, _, samples) in zip(names, gathered) if _counts_samples(name)]
+            metrics["throughput/samples_per_s"] = sum(counted) / seconds
         self.last = metrics
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -239,20 +271,38 @@ class UtilizationMonitor(L.Callback):
         image = utilization_image(fractions)
         caption = "busy (green), comm (blue), idle (grey): " + ", ".join(fractions)
         for logger in trainer.loggers:
-            log_image = getattr(logger, "log_image", None)
-            if log_image is not None:
-                log_image(key="util/devices", images=[image], step=trainer.global_step, caption=[caption])
+            if isinstance(logger, WandbLogger):
+                logger.log_image(key="util/devices", images=[image], step=trainer.global_step, caption=[caption])
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image("util/devices", image, trainer.global_step, dataformats="HWC")
 
     # -------------------------------------------------------------------- trace
 
     def _write_trace(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> None:
-        records = strategy.gather_step_records(self.trace_steps, dst=0)
+        mine = (strategy.step_records[-self.trace_steps :], time.time() - time.perf_counter())
+        gathered = strategy.gather(mine, dst=0)
         directory = Path(self.save_dir or trainer.log_dir or trainer.default_root_dir)  # a collective: every rank
         if not trainer.is_global_zero:
             return
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "trace.json"
-        partial = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        partial.write_text(json.dumps(chrome_trace(records)))
-        partial.replace(path)  # never a half-written trace
-        self.trace_path = path
+        with _warn_on_error("write the trace"):
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / "trace.json"
+            trace = chrome_trace([r for r, _ in gathered], strategy.device_names, [o for _, o in gathered])
+            partial = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+            partial.write_text(json.dumps(trace))
+            partial.replace(path)  # never a half-written trace
+            self.trace_path = path
+
+
+def _counts_samples(name: str) -> bool:
+    role = name.rsplit(".", 1)[-1]
+    return role.startswith("cpu") or role == "stage0"
+
+
+@contextmanager
+def _warn_on_error(what: str) -> Iterator[None]:
+    """Rank 0's own reporting must not end the run (the other ranks would wait for it): warn instead."""
+    try:
+        yield
+    except Exception as error:
+        rank_zero_warn(f"UtilizationMonitor could not {what}: {error!r}")
