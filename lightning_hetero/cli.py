@@ -1,0 +1,60 @@
+"""The command line: LightningCLI with the hetero strategy's conventions.
+
+``hetero fit --config configs/mlp.yaml`` runs any recipe whose config names its model and data
+classes (``class_path``); ``python -m recipes.<name> fit --config ...`` runs one recipe, whose
+classes are the defaults. Configs are read with omegaconf, so values that must agree can
+interpolate each other (``${data.init_args.batch_size}``), and every option of the strategy and
+the callbacks can be set in YAML or as a flag (``--trainer.strategy.init_args.cpu_fraction 0.3``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_hetero  # noqa: F401  (registers strategy="hetero")
+
+__all__ = ["HeteroCLI", "main"]
+
+
+class HeteroCLI(LightningCLI):
+    """``LightningCLI`` in subclass mode for the model and the data, reading configs with omegaconf."""
+
+    def __init__(
+        self,
+        model_class: Optional[type[L.LightningModule]] = None,
+        datamodule_class: Optional[type[L.LightningDataModule]] = None,
+        args: Any = None,
+        run: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self._default_model, self._default_data = model_class, datamodule_class
+        kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            run=run,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        # A recipe's own classes are the defaults, so its configs may leave out their class paths.
+        if self._default_model is not None:
+            parser.set_defaults({"model": {"class_path": _path(self._default_model)}})
+        if self._default_data is not None:
+            parser.set_defaults({"data": {"class_path": _path(self._default_data)}})
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def main(args: Any = None) -> None:
+    """The ``hetero`` console script."""
+    HeteroCLI(args=args)

@@ -1,0 +1,131 @@
+"""A multilayer perceptron on handwritten digits, trained with ``strategy="hetero"``.
+
+The model of the original experiments: an MLP trained with Adam (learning rate 0.001) on
+mini-batches of 100. By default the data is scikit-learn's bundled 8x8 digits (1797 images, no
+download); point ``data_dir`` at a directory with the MNIST IDX files
+(``train-images-idx3-ubyte[.gz]``, ``train-labels-idx1-ubyte[.gz]``, ``t10k-...``) to train on
+MNIST (then ``in_features: 784``).
+
+    python -m recipes.mlp fit --config configs/mlp.yaml
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, random_split
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_hetero import PipelineModule
+from lightning_hetero.cli import HeteroCLI
+from recipes.data import read_idx
+
+__all__ = ["DigitsMLP", "DigitsData"]
+
+
+class DigitsMLP(PipelineModule, L.LightningModule):
+    """An MLP as an ordered list of blocks (Linear, ReLU, ..., Linear), the hetero model contract.
+
+    Args:
+        in_features: pixels per image (64 for scikit-learn's digits, 784 for MNIST).
+        hidden: the widths of the hidden layers.
+        classes: the number of classes.
+        lr: Adam's learning rate.
+    """
+
+    def __init__(self, in_features: int = 64, hidden: tuple[int, ...] = (128, 128), classes: int = 10, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        widths = [in_features, *hidden]
+        blocks: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            blocks += [nn.Linear(a, b), nn.ReLU()]
+        blocks.append(nn.Linear(widths[-1], classes))
+        self.layers = nn.ModuleList(blocks)
+        self.train_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        loss = self.pipeline_loss(logits, targets)
+        self.train_acc(logits, targets)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        logits = self(inputs)
+        self.val_acc(logits, targets)
+        self.log("val_loss", self.pipeline_loss(logits, targets), prog_bar=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class DigitsData(L.LightningDataModule):
+    """Handwritten digits: scikit-learn's bundled 8x8 images, or MNIST from IDX files.
+
+    Args:
+        data_dir: a directory with the four MNIST IDX files; ``None`` uses scikit-learn's digits.
+        batch_size: samples per training batch (the whole batch, which the strategy splits).
+        val_size: images held out for validation (scikit-learn's digits; MNIST uses its test set).
+        num_workers: DataLoader worker processes.
+        seed: the seed of the train/validation split.
+    """
+
+    def __init__(self, data_dir: Optional[str] = None, batch_size: int = 100, val_size: int = 300, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.data_dir, self.batch_size, self.val_size = data_dir, batch_size, val_size
+        self.num_workers, self.seed = num_workers, seed
+
+    def setup(self, stage: str) -> None:
+        if self.data_dir is None:
+            from sklearn.datasets import load_digits
+
+            digits = load_digits()
+            data = TensorDataset(torch.tensor(digits.data, dtype=torch.float32) / 16.0, torch.tensor(digits.target))
+            split = [len(data) - self.val_size, self.val_size]
+            self.train, self.val = random_split(data, split, generator=torch.Generator().manual_seed(self.seed))
+            return
+        self.train = self._mnist("train")
+        self.val = self._mnist("t10k")
+
+    def _mnist(self, prefix: str) -> TensorDataset:
+        directory = Path(self.data_dir or ".")
+
+        def find(name: str) -> Path:
+            for candidate in (directory / name, directory / f"{name}.gz"):
+                if candidate.exists():
+                    return candidate
+            raise FileNotFoundError(f"`data_dir={self.data_dir}` has no {name} (or {name}.gz): download MNIST's IDX files there.")
+
+        images = read_idx(find(f"{prefix}-images-idx3-ubyte"))
+        labels = read_idx(find(f"{prefix}-labels-idx1-ubyte"))
+        return TensorDataset(images.reshape(len(images), -1).float() / 255.0, labels.long())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+def main(args: Any = None) -> None:
+    HeteroCLI(DigitsMLP, DigitsData, args=args)
+
+
+if __name__ == "__main__":
+    main()
