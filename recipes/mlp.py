@@ -83,7 +83,7 @@ class DigitsData(L.LightningDataModule):
         batch_size: samples per training batch (the whole batch, which the strategy splits).
         val_size: images held out for validation (scikit-learn's digits; MNIST uses its test set).
         num_workers: DataLoader worker processes.
-        seed: the seed of the train/validation split.
+        seed: the seed of the train/validation split and of the shuffling.
     """
 
     def __init__(self, data_dir: Optional[str] = None, batch_size: int = 100, val_size: int = 300, num_workers: int = 0, seed: int = 0) -> None:
@@ -117,7 +117,9 @@ class DigitsData(L.LightningDataModule):
         return TensorDataset(images.reshape(len(images), -1).float() / 255.0, labels.long())
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        # Its own generator: every process of a hetero run, and a single-device run, shuffle alike.
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, generator=generator)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)
