@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,20 @@ import pytest
 import torch
 
 from lightning_hetero.cli import HeteroCLI
+from recipes import gpt
 from recipes.data import read_idx, write_idx
 from recipes.mlp import DigitsData, main
+from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("mlp*.yaml"))
+GPT_CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("gpt*.yaml"))
+
+
+def small_text(directory: Path) -> Path:
+    """A small real text: the source of a standard library module."""
+    path = directory / "text.txt"
+    path.write_text(stdlib_corpus(60_000))
+    return path
 
 
 def fake_mnist(directory: Path, train: int = 40, test: int = 20, gz: bool = True) -> Path:
@@ -135,3 +146,64 @@ def test_mnist_data_from_idx_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="IDX files"):
         missing = DigitsData(data_dir=str(tmp_path / "empty"))
         missing.setup("fit")
+
+
+def tiny_gpt(tmp_path: Path) -> list[str]:
+    """Overrides that make a GPT config train in seconds on a small text."""
+    return [
+        "--data.init_args.text_file", str(small_text(tmp_path)), "--data.init_args.vocab_size", "300",
+        "--data.init_args.context", "16", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+        "--model.init_args.width", "32", "--model.init_args.layers", "2", "--model.init_args.heads", "2",
+        "--trainer.val_check_interval", "2",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", GPT_CONFIGS, ids=[c.stem for c in GPT_CONFIGS])
+def test_every_gpt_config_fits_a_few_steps(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    gpt.main(quick(config, tmp_path, *tiny_gpt(tmp_path)))
+    assert list(tmp_path.glob("wandb/offline-run-*")) and list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("config", GPT_CONFIGS, ids=[c.stem for c in GPT_CONFIGS])
+def test_gpt_print_config_round_trips(config: Path, tmp_path: Path) -> None:
+    first = printed(["fit", "--config", str(config)])
+    assert "vocab_size: 10000" in first if "paper" in config.stem else "vocab_size: 2000" in first  # interpolated
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(first)
+    assert printed(["fit", "--config", str(saved)]) == first
+
+
+def test_tokenizer_is_trained_once_and_cached(tmp_path: Path) -> None:
+    text = load_text(str(small_text(tmp_path)), 1_000_000)
+    ids, vocab = tokenize(text, 300, tmp_path / "cache")
+    assert vocab <= 300 and ids.dtype == torch.int32 and 0 <= int(ids.min()) and int(ids.max()) < vocab
+    assert len(ids) < 0.8 * len(text)  # BPE merges: fewer tokens than characters (300 tokens: 44 merges)
+    files = sorted((tmp_path / "cache").iterdir())
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again, _ = tokenize(text, 300, tmp_path / "cache")
+    assert torch.equal(ids, again) and [f.stat().st_mtime_ns for f in files] == stamps  # read, not retrained
+    from tokenizers import Tokenizer
+
+    (tokenizer_file,) = (tmp_path / "cache").glob("bpe-*.json")
+    decoded = Tokenizer.from_file(str(tokenizer_file)).decode(ids[:200].tolist())
+    assert len(decoded) > 200 and text.startswith(decoded)  # a real tokenizer: the ids decode to the text
+
+
+def test_token_windows_predict_the_next_token() -> None:
+    windows = TokenWindows(torch.arange(50, dtype=torch.int32), context=8)
+    assert len(windows) == 6
+    inputs, targets = windows[2]
+    assert inputs.tolist() == list(range(16, 24)) and targets.tolist() == list(range(17, 25))
+    with pytest.raises(ValueError, match="cannot fill one window"):
+        TokenWindows(torch.arange(5), context=8)
+
+
+def test_unigram_baseline() -> None:
+    uniform = torch.arange(1000) % 10
+    assert unigram_loss(uniform, uniform, 10) == pytest.approx(math.log(10), rel=1e-3)
+
+
+def test_missing_text_file_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text(str(tmp_path / "nope.txt"), 100)
