@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from tqdm.auto import tqdm
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -253,6 +254,7 @@ def profile_layers(
     device: torch.device,
     sizes: tuple[int, int],
     repeats: int = 3,
+    progress: str | None = None,
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[LayerProfile]]:
     """Time every layer's forward and backward on ``device`` at two micro-batch ``sizes``, and
     describe each layer's memory and FLOPs (``LayerProfile``, the same on every device).
@@ -260,12 +262,14 @@ def profile_layers(
     ``inputs`` is a batch of at least ``max(sizes)`` samples; each layer runs on the previous
     layer's output. Each layer visits ``device`` only while it is measured and then goes back
     where it was, in the mode it was in; the random number generators are left as they were.
+    With ``progress``, a progress bar of that title counts the layers.
     """
     small, large = sorted(sizes)
     forward, backward, described = [], [], []
     x = inputs
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for layer, name in zip(layers, names):
+        bar = tqdm(zip(layers, names), total=len(layers), desc=progress, disable=progress is None, leave=False)
+        for layer, name in bar:
             home = next(itertools.chain((t.device for t in layer.parameters()), (t.device for t in layer.buffers())), None)
             training = layer.training
             layer.to(device)

@@ -19,6 +19,7 @@ from recipes import gpt
 from recipes.data import read_idx, write_idx
 from recipes.mlp import DigitsData, main
 from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
+from tests.models import read_metrics
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("mlp*.yaml"))
 GPT_CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("gpt*.yaml"))
@@ -95,8 +96,10 @@ def test_printed_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_hetero_command_runs_a_recipe(tmp_path: Path) -> None:
     config = Path(__file__).resolve().parent.parent / "configs" / "mlp.yaml"
     args = quick(config, tmp_path, "--trainer.logger", "false")
+    hetero = Path(sys.executable).parent / "hetero"  # the console script the package installs
+    assert hetero.exists(), "install the package (pip install -e .) to get the `hetero` command"
     result = subprocess.run(
-        [sys.executable, "-c", "from lightning_hetero.cli import main; main()", *args],
+        [str(hetero), *args],
         capture_output=True, text=True, env={"WANDB_SILENT": "true", "PATH": "", "HOME": str(tmp_path)},
         cwd=str(config.parent.parent), timeout=300,
     )  # fmt: skip
@@ -110,12 +113,14 @@ def test_hetero_command_runs_a_recipe(tmp_path: Path) -> None:
         (["--trainer.max_epochs", "many"], "max_epochs"),
         (["--trainer.strategy.init_args.cpu_fraction", "1.5"], "cpu_fraction"),
         (["--model.init_args.no_such_option", "1"], "no_such_option"),
+        (["--trainer.strategy.init_args.stages", "[cpu, cpu, cpu, cpu, cpu, cpu, cpu]"], "Cannot cut 5 layer(s) into 7"),
+        (["--trainer.strategy.init_args.schedule", "NoSuchSchedule"], "NoSuchSchedule"),
     ],
 )
 def test_bad_values_are_reported_before_anything_starts(args: list[str], message: str, no_processes: None) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises((SystemExit, ValueError)) as error:
-        main(["fit", "--config", str(CONFIGS[0]), *args])
+        main(["fit", "--config", str(CONFIGS[0]), "--trainer.strategy.init_args.start_method", "fork", *args])
     assert message in err.getvalue() + str(error.value)
 
 
@@ -207,3 +212,81 @@ def test_unigram_baseline() -> None:
 def test_missing_text_file_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_text(str(tmp_path / "nope.txt"), 100)
+
+
+@pytest.mark.parametrize("recipe", ["mlp", "gpt"])
+def test_recipe_metrics_see_every_sample_once(tmp_path: Path, recipe: str) -> None:
+    # The same recipe, hetero (the batch split three ways) and on one device, in float64: the
+    # loss, accuracy and perplexity they log are the same numbers.
+    if recipe == "mlp":
+        run_recipe, config, extra, keys = main, CONFIGS[0], ["--model.init_args.hidden", "[32]"], ("train_loss", "train_acc", "val_acc", "val_loss")
+    else:
+        run_recipe, config, extra, keys = gpt.main, GPT_CONFIGS[0], tiny_gpt(tmp_path), ("train_loss", "train_ppl", "val_ppl", "val_loss")
+
+    def run(out: Path, *launch: str) -> list[dict[str, float]]:
+        run_recipe([
+            "fit", "--config", str(config), "--trainer.max_steps", "6", "--trainer.val_check_interval", "3",
+            "--trainer.limit_val_batches", "2", "--trainer.max_epochs", "1",
+            "--trainer.precision", "64-true", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
+            "--trainer.logger.name", "", "--trainer.logger.version", "", "--trainer.log_every_n_steps", "1",
+            "--trainer.default_root_dir", str(out), "--trainer.enable_checkpointing", "false",
+            "--data.init_args.batch_size", "20", *extra, *launch,
+        ])  # fmt: skip
+        return read_metrics(out)
+
+    hetero_rows = run(tmp_path / "hetero", "--trainer.strategy.init_args.start_method", "fork",
+                      "--trainer.strategy.init_args.timeout", "60")  # fmt: skip
+    plain_rows = run(tmp_path / "plain", "--trainer.strategy", "auto", "--trainer.accelerator", "cpu", "--trainer.devices", "1")
+    for key in keys:
+        het = [row[key] for row in hetero_rows if key in row]
+        ref = [row[key] for row in plain_rows if key in row]
+        assert het and len(het) == len(ref), key
+        # torchmetrics keeps Perplexity's sums in float32 whatever the model's precision: they add
+        # up the same log-probabilities in another order there, so that agrees to float32's precision.
+        tolerance = 1e-5 if key.endswith("ppl") else 1e-10
+        assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(het, ref)) < tolerance, key
+
+
+def recipe_args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "-m", "recipes.mlp", "fit", "--config", "configs/mlp.yaml", "--trainer.max_steps", "2",
+        "--trainer.limit_val_batches", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]", *extra,
+    ]  # fmt: skip
+
+
+def test_readme_two_node_torchrun_command(tmp_path: Path) -> None:
+    # README: torchrun --nnodes=2 --nproc-per-node=3 --node-rank=N --master-addr=HOST --master-port=PORT -m recipes.mlp ...
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from tests.test_launchers import clean_env
+
+    port = str(find_free_network_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3"]
+    torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    root = Path(__file__).resolve().parent.parent
+    nodes = [
+        subprocess.Popen([*torchrun, f"--node-rank={n}", *recipe_args(tmp_path, "--trainer.num_nodes", "2")], env=clean_env(), cwd=root)
+        for n in range(2)
+    ]  # fmt: skip
+    assert [node.wait(timeout=300) for node in nodes] == [0, 0]
+    assert list(tmp_path.rglob("*.ckpt"))
+
+
+def test_readme_srun_command(tmp_path: Path) -> None:
+    # README: srun --ntasks-per-node=3 python -m recipes.mlp ... (srun simulated: its environment, one process per task)
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from tests.test_launchers import clean_env
+
+    env = clean_env()
+    env.update(SLURM_NTASKS="3", SLURM_NTASKS_PER_NODE="3", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NAME="hetero",
+               SLURM_JOB_ID="1", SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(find_free_network_port()))  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    tasks = [
+        subprocess.Popen([sys.executable, *recipe_args(tmp_path)], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}, cwd=root)
+        for i in range(3)
+    ]  # fmt: skip
+    assert [task.wait(timeout=300) for task in tasks] == [0, 0, 0]
+    assert list(tmp_path.rglob("*.ckpt"))

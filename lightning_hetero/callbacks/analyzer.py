@@ -119,7 +119,9 @@ class WorkloadAnalyzer(L.Callback):
         for turn in range(dist.get_world_size(control)):
             if turn == strategy.global_rank:
                 names = layer_names(module, layers)
-                forward, backward, described = profile_layers(layers, names, inputs, device, sizes, self.repeats)
+                trainer = strategy.lightning_module.trainer
+                title = f"Profiling {role} ({device})" if trainer.progress_bar_callback is not None else None
+                forward, backward, described = profile_layers(layers, names, inputs, device, sizes, self.repeats, title)
                 times = DeviceTimes(
                     device=_describe(device),
                     threads=torch.get_num_threads(),

@@ -126,9 +126,12 @@ def chrome_trace(
     step's time split into what the rank was doing. ``offsets[rank]`` turns that rank's
     ``perf_counter`` times into wall-clock times (so that tracks of several machines line up)."""
     events: list[dict[str, Any]] = []
-    shifts = list(offsets) if offsets is not None else [0.0] * len(records)
+    # Each rank's times in the first rank's perf_counter frame (the offsets' differences are small,
+    # so no precision is lost to the wall clock's large numbers), counted from the first step shown.
+    base = offsets[0] if offsets else 0.0
+    shifts = [o - base for o in offsets] if offsets is not None else [0.0] * len(records)
     starts = [r.start + shift for rank_records, shift in zip(records, shifts) for r in rank_records]
-    origin = min(starts, default=0.0)  # times count from the first step shown (precise in microseconds)
+    origin = min(starts, default=0.0)
     for index, rank_records in enumerate(records):
         if not rank_records:
             continue
@@ -154,7 +157,7 @@ def chrome_trace(
                         "args": {"step": record.step},
                     }
                 )
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin if offsets else None}}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin + base if offsets else None}}
 
 
 class UtilizationMonitor(L.Callback):
