@@ -7,7 +7,7 @@ Lightning's loop). Beside it, in the same run, the same model trains with the st
 layout and with plain Lightning in one process, so the plan's worth is a ratio measured side by
 side. Configurations alternate; medians over repeats are reported.
 
-    python -m benchmarks.planner [--steps N] [--repeats R]
+    python -m benchmarks.planner [--steps N] [--repeats R] [--recipes]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import CNN, MLP, image_loader, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
@@ -49,6 +49,32 @@ class AnalyzerReport(L.Callback):
 Case = tuple[str, Callable[[], L.LightningModule], DataLoader, int]
 
 
+def token_loader(samples: int, batch_size: int, vocab: int = 2000, context: int = 64) -> DataLoader:
+    """Random token windows the shape of the GPT recipe's small config (its model's cost does not
+    depend on which tokens it reads)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (samples, context + 1), generator=g)
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch_size, drop_last=True)
+
+
+def digits_loader(samples: int, batch_size: int) -> DataLoader:
+    """Random 8x8 "digits" with labels, the shape of the MLP recipe's data."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(samples, 64, generator=g), torch.randint(0, 10, (samples,), generator=g))
+    return DataLoader(data, batch_size=batch_size, drop_last=True)
+
+
+def recipe_cases(steps: int) -> list[Case]:
+    """The recipes' models at their default configs' sizes."""
+    from recipes.gpt import GPT
+    from recipes.mlp import DigitsMLP
+
+    return [
+        ("MLP recipe (digits), batch 100", lambda: DigitsMLP(), digits_loader(100 * steps, 100), 2),
+        ("GPT recipe (small), batch 32", lambda: GPT(), token_loader(32 * steps, 32), 2),
+    ]
+
+
 def cases(steps: int) -> list[Case]:
     return [
         ("MLP 6x512, batch 256", lambda: MLP(width=512, depth=6), synthetic_loader(256 * steps, 256), 1),
@@ -63,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--recipes", action="store_true", help="the recipes' models instead of the synthetic ones")
     args = parser.parse_args()
 
     def strategy(stages: int) -> HeteroStrategy:
@@ -78,7 +105,7 @@ def main() -> None:
             return times
 
     rows = []
-    for name, model, loader, stages in cases(args.steps):
+    for name, model, loader, stages in (recipe_cases if args.recipes else cases)(args.steps):
         reports: list[dict[str, Any]] = []
         samples: dict[str, list[float]] = {"planned": [], "default": [], "plain": []}
         for _ in range(args.repeats):
