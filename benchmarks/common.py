@@ -132,10 +132,15 @@ def step_times(
         return json.loads(out.read_text())
 
 
-def alternate(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, float]:
-    """Run every configuration ``repeats`` times, interleaved; return each one's median step time."""
+def interleave(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, list[float]]:
+    """Run every configuration ``repeats`` times, interleaved; return each one's step times."""
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(repeats):
         for name, run in configs.items():
             samples[name].extend(run())
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
+
+
+def alternate(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, float]:
+    """Run every configuration ``repeats`` times, interleaved; return each one's median step time."""
+    return {name: statistics.median(times) for name, times in interleave(configs, repeats).items()}

@@ -24,7 +24,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from benchmarks.common import MLP, step_times, synthetic_loader
+from benchmarks.common import MLP, alternate, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 
 
@@ -70,16 +70,12 @@ def main() -> None:
             sync_and_step.extend(json.loads(out.read_text()))
             return times
 
-    samples: dict[str, list[float]] = {"coarse": [], "fine, no offload": [], "fine, all offloaded": []}
     configs = {
         "coarse": lambda: run(mode="coarse"),
         "fine, no offload": lambda: run(mode="fine", offload="none"),
         "fine, all offloaded": lambda: run(mode="fine", offload="all"),
     }
-    for _ in range(args.repeats):
-        for name, config in configs.items():
-            samples[name].extend(config())
-    medians = {name: statistics.median(times) for name, times in samples.items()}
+    medians = alternate(configs, args.repeats)
     params = sum(p.numel() for p in MLP(width=args.width, depth=args.depth).parameters())
     hidden_budget = statistics.median(sync_and_step)
     print(f"MLP {args.depth}x{args.width} ({params / 1e6:.1f} M parameters), batch {args.batch_size}, fused AdamW;")

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from benchmarks.common import MLP, step_times, synthetic_loader
+from benchmarks.common import MLP, interleave, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.callbacks import UtilizationMonitor
 
@@ -41,10 +41,7 @@ def main() -> None:
             return step_times(strategy, MLP(width=args.width), loader, args.steps, callbacks=callbacks, logger=logger)
 
     configs = {"without the monitor": lambda: run(None), "monitor, every 50 steps": lambda: run(50), "monitor, every step": lambda: run(1)}
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.repeats):
-        for name, config in configs.items():
-            times[name] += config()
+    times = interleave(configs, args.repeats)
     # The mean counts the steps that log (one in 50); the median shows a typical step.
     means = {name: statistics.mean(t) for name, t in times.items()}
     medians = {name: statistics.median(t) for name, t in times.items()}

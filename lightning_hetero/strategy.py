@@ -254,6 +254,8 @@ class HeteroStrategy(ParallelStrategy):
 
     def layout(self) -> dict[str, Any]:
         """This run's layout, for logs (a plan's, where the run follows one)."""
+        if self._plan is not None:
+            return self._plan.as_dict()
         return {
             "mode": self.mode,
             "stages": [str(d) for d in self._stage_devices],

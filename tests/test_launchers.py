@@ -49,11 +49,12 @@ def torchrun(out: Path, *flags: str) -> None:
     subprocess.run([*command, str(out), *flags], check=True, env=clean_env(), timeout=240)
 
 
-def slurm(out: Path) -> None:
+def slurm_tasks(args: list[str], tasks: int = 3, cwd: Path | None = None, timeout: int = 240) -> list[int]:
+    """Run ``python *args`` once per task with srun's environment (one node); their exit codes."""
     env = clean_env()
     env.update(
-        SLURM_NTASKS="3",
-        SLURM_NTASKS_PER_NODE="3",
+        SLURM_NTASKS=str(tasks),
+        SLURM_NTASKS_PER_NODE=str(tasks),
         SLURM_NNODES="1",
         SLURM_NODEID="0",
         SLURM_JOB_NAME="hetero",
@@ -61,11 +62,25 @@ def slurm(out: Path) -> None:
         SLURM_NODELIST="127.0.0.1",
         MASTER_PORT=str(find_free_network_port()),
     )
-    tasks = [
-        subprocess.Popen([sys.executable, str(SCRIPT), str(out)], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
-        for i in range(3)
+    processes = [
+        subprocess.Popen([sys.executable, *args], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}, cwd=cwd)
+        for i in range(tasks)
     ]
-    assert [task.wait(timeout=240) for task in tasks] == [0, 0, 0]
+    return [process.wait(timeout=timeout) for process in processes]
+
+
+def torchrun_nodes(args: list[str], nodes: int = 2, per_node: int = 3, cwd: Path | None = None, timeout: int = 240) -> list[int]:
+    """Run ``torchrun ... *args`` as ``nodes`` nodes on this machine; their exit codes."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+    torchrun += ["--master-addr=127.0.0.1", f"--master-port={find_free_network_port()}"]
+    processes = [
+        subprocess.Popen([*torchrun, f"--node-rank={n}", *args], env=clean_env(), cwd=cwd) for n in range(nodes)
+    ]
+    return [process.wait(timeout=timeout) for process in processes]
+
+
+def slurm(out: Path) -> None:
+    assert slurm_tasks([str(SCRIPT), str(out)]) == [0, 0, 0]
 
 
 def popen(out: Path, *flags: str) -> None:
@@ -100,12 +115,8 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str) -> None
     ddp = Net().double()  # the fork launcher loads the trained float64 weights into this copy
     t = trainer("ddp_fork", accelerator="cpu", devices=2, max_steps=6)
     t.fit(ddp, regression_data(n=48))
-    port = str(find_free_network_port())
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3"]
-    torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
     script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", *(["--fine"] if mode == "fine" else [])]
-    nodes = [subprocess.Popen([*torchrun, f"--node-rank={n}", *script], env=clean_env()) for n in range(2)]
-    assert [node.wait(timeout=240) for node in nodes] == [0, 0]
+    assert torchrun_nodes(script) == [0, 0]
     assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
     held = [torch.load(tmp_path / f"rank{r}.pt") for r in range(6)]
     for rank in held[1:]:

@@ -20,9 +20,11 @@ from recipes.data import read_idx, write_idx
 from recipes.mlp import DigitsData, main
 from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
 from tests.models import read_metrics
+from tests.test_launchers import slurm_tasks, torchrun_nodes
 
-CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("mlp*.yaml"))
-GPT_CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("gpt*.yaml"))
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("mlp*.yaml"))
+GPT_CONFIGS = sorted((ROOT / "configs").glob("gpt*.yaml"))
 
 
 def small_text(directory: Path) -> Path:
@@ -94,14 +96,14 @@ def test_printed_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_hetero_command_runs_a_recipe(tmp_path: Path) -> None:
-    config = Path(__file__).resolve().parent.parent / "configs" / "mlp.yaml"
+    config = ROOT / "configs" / "mlp.yaml"
     args = quick(config, tmp_path, "--trainer.logger", "false")
     hetero = Path(sys.executable).parent / "hetero"  # the console script the package installs
     assert hetero.exists(), "install the package (pip install -e .) to get the `hetero` command"
     result = subprocess.run(
         [str(hetero), *args],
         capture_output=True, text=True, env={"WANDB_SILENT": "true", "PATH": "", "HOME": str(tmp_path)},
-        cwd=str(config.parent.parent), timeout=300,
+        cwd=str(ROOT), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(tmp_path.rglob("*.ckpt"))
@@ -258,35 +260,11 @@ def recipe_args(tmp_path: Path, *extra: str) -> list[str]:
 
 def test_readme_two_node_torchrun_command(tmp_path: Path) -> None:
     # README: torchrun --nnodes=2 --nproc-per-node=3 --node-rank=N --master-addr=HOST --master-port=PORT -m recipes.mlp ...
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    from tests.test_launchers import clean_env
-
-    port = str(find_free_network_port())
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3"]
-    torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
-    root = Path(__file__).resolve().parent.parent
-    nodes = [
-        subprocess.Popen([*torchrun, f"--node-rank={n}", *recipe_args(tmp_path, "--trainer.num_nodes", "2")], env=clean_env(), cwd=root)
-        for n in range(2)
-    ]  # fmt: skip
-    assert [node.wait(timeout=300) for node in nodes] == [0, 0]
+    assert torchrun_nodes(recipe_args(tmp_path, "--trainer.num_nodes", "2"), cwd=ROOT, timeout=300) == [0, 0]
     assert list(tmp_path.rglob("*.ckpt"))
 
 
 def test_readme_srun_command(tmp_path: Path) -> None:
     # README: srun --ntasks-per-node=3 python -m recipes.mlp ... (srun simulated: its environment, one process per task)
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    from tests.test_launchers import clean_env
-
-    env = clean_env()
-    env.update(SLURM_NTASKS="3", SLURM_NTASKS_PER_NODE="3", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_NAME="hetero",
-               SLURM_JOB_ID="1", SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(find_free_network_port()))  # fmt: skip
-    root = Path(__file__).resolve().parent.parent
-    tasks = [
-        subprocess.Popen([sys.executable, *recipe_args(tmp_path)], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}, cwd=root)
-        for i in range(3)
-    ]  # fmt: skip
-    assert [task.wait(timeout=300) for task in tasks] == [0, 0, 0]
+    assert slurm_tasks(recipe_args(tmp_path), cwd=ROOT, timeout=300) == [0, 0, 0]
     assert list(tmp_path.rglob("*.ckpt"))

@@ -202,19 +202,17 @@ class UtilizationMonitor(L.Callback):
         self._enabled = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._enabled = hetero_strategy(trainer) is not None
-        if not self._enabled:
+        strategy = hetero_strategy(trainer)
+        self._enabled = strategy is not None
+        if strategy is None:
             rank_zero_warn("UtilizationMonitor reports the devices of `strategy='hetero'`; this run does not use it.")
             return
-        strategy = hetero_strategy(trainer)
-        assert strategy is not None
         device_stats(strategy.root_device, meter="monitor")  # start the CPU-time meter
         self._batches, self._last_step, self._last_image, self.last = 0, trainer.global_step, trainer.global_step, {}
-        layout = strategy.plan.as_dict() if strategy.plan is not None else strategy.layout()
         if trainer.is_global_zero:
             with _warn_on_error("log the layout"):
                 for logger in trainer.loggers:  # the run's config
-                    logger.log_hyperparams({"hetero_layout": layout})
+                    logger.log_hyperparams({"hetero_layout": strategy.layout()})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = hetero_strategy(trainer)
@@ -260,8 +258,10 @@ class UtilizationMonitor(L.Callback):
             for key, value in {**values, **stats}.items():
                 metrics[f"util/{names[rank]}/{key}"] = value
         seconds = sum(r.total for r in records)
-        if seconds > 0:  # each sample once: the CPU workers' shares and one stage's per node
-            counted = [samples for name, (_, _, samples) in zip(names, gathered) if _counts_samples(name)]
+        if seconds > 0:  # each sample once: the CPU workers' shares and the first stage's per node
+            topology = strategy.topology
+            roles = [topology.role(rank % topology.procs_per_node) for rank in range(len(gathered))]
+            counted = [samples for role, (_, _, samples) in zip(roles, gathered) if role.is_cpu_worker or role.is_first_stage]
             metrics["throughput/samples_per_s"] = sum(counted) / seconds
         self.last = metrics
         for logger in trainer.loggers:
@@ -295,11 +295,6 @@ class UtilizationMonitor(L.Callback):
             partial.write_text(json.dumps(trace))
             partial.replace(path)  # never a half-written trace
             self.trace_path = path
-
-
-def _counts_samples(name: str) -> bool:
-    role = name.rsplit(".", 1)[-1]
-    return role.startswith("cpu") or role == "stage0"
 
 
 @contextmanager

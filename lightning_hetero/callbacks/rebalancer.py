@@ -20,7 +20,7 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import lightning as L
@@ -134,22 +134,6 @@ class Decision:
     target: Optional[float] = None
     """The fraction where both sides would finish together (before the grid and the step bound)."""
     predicted_step_time: Optional[float] = None
-
-
-_STATE = (
-    "state",
-    "fraction",
-    "baseline",
-    "baseline_age",
-    "last_good",
-    "last_good_time",
-    "cpu_per_sample",
-    "pipeline_per_sample",
-    "step_time",
-    "measured_at",
-    "idle_windows",
-    "probe_interval",
-)
 
 
 @dataclass
@@ -286,7 +270,7 @@ class Balancer:
             # within a grid step of the current fraction (two near-equal neighbours, which noise
             # would flip between), 10%.
             gain, target = now - predict(step), self._target()
-            inside = target is not None and abs(target - window.fraction) <= 1.0 * self.micro_batches / window.batch_size
+            inside = target is not None and abs(target - window.fraction) <= self.micro_batches / window.batch_size
             enough = gain > self.deadband * now and (not inside or gain > 0.1 * now)
             if step != window.fraction and enough:
                 move = step
@@ -355,12 +339,18 @@ class Balancer:
 
     def state_dict(self) -> dict[str, Any]:
         """The decision state (not the settings)."""
-        return {key: getattr(self, key) for key in _STATE}
+        return {key: getattr(self, key) for key in _state_fields()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in _STATE:
+        for key in _state_fields():
             if key in state:
                 setattr(self, key, state[key])
+
+
+def _state_fields() -> list[str]:
+    """The ``Balancer`` fields from ``state`` on: its decision state (those before are settings)."""
+    names = [f.name for f in fields(Balancer)]
+    return names[names.index("state") :]
 
 
 @dataclass
@@ -494,11 +484,11 @@ class AdaptiveRebalancer(L.Callback):
             raise failure or outcome
         self._apply(trainer, strategy, outcome)
 
-    def _apply(self, trainer: L.Trainer, strategy: "HeteroStrategy", decision: Any) -> None:
-        if isinstance(decision, tuple):  # broadcast from rank 0 with its balancer's state
-            decision, state = decision
-            assert self.balancer is not None
-            self.balancer.load_state_dict(state)
+    def _apply(self, trainer: L.Trainer, strategy: "HeteroStrategy", broadcast: tuple[Decision, dict[str, Any]]) -> None:
+        """Take rank 0's decision and its balancer's state, and run with the decided fraction."""
+        decision, state = broadcast
+        assert self.balancer is not None
+        self.balancer.load_state_dict(state)
         changed = decision.fraction != strategy.cpu_fraction
         strategy.set_cpu_fraction(decision.fraction)
         self._pending = _Pending(changed=changed or decision.reason in ("resume", "baseline"))
