@@ -12,7 +12,8 @@ The cost model (all times from the profile, scaled by each device's relative spe
   is 0: an idle CPU worker does not take part), and the optimizer steps run in parallel;
 - coarse mode adds sum and step after the slower side; fine mode hides them behind the last
   micro-batch's backward, as far as it reaches;
-- every step also pays the profile's fixed overhead (loading the batch, sharing the results).
+- every step also pays the profile's fixed overhead (the training loop's own work and sharing the
+  results), the same for every layout.
 
 Solvers: the partition is a dynamic program over contiguous cuts minimizing the slowest stage
 within each stage's memory; the micro-batch count and the pipeline's share are searched
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 from lightning_hetero.plan import HeteroPlan
@@ -103,6 +104,12 @@ class Prediction:
     bubble: float
     memory: list[float]
     """Bytes per stage: parameters, gradients, device optimizer state, activations in flight."""
+    overhead_s: float = 0.0
+    """The profile's fixed cost per step, included in ``step_s``."""
+
+    def with_overhead(self, overhead_s: float) -> Prediction:
+        """The same prediction with another fixed cost per step."""
+        return replace(self, step_s=self.step_s - self.overhead_s + overhead_s, overhead_s=overhead_s)
 
 
 @dataclass
@@ -376,6 +383,7 @@ def predict(
         optimizer_s=optimizer,
         bubble=bubble,
         memory=memory,
+        overhead_s=profile.step_overhead_s,
     )
 
 
@@ -396,7 +404,8 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
     rows.append("")
     rows.append(
         f"predicted step {prediction.step_s * 1e3:.2f} ms (pipeline {prediction.pipeline_s * 1e3:.2f}, CPU"
-        f" {prediction.cpu_s * 1e3:.2f}, sum {prediction.sync_s * 1e3:.2f}, optimizer {prediction.optimizer_s * 1e3:.2f});"
+        f" {prediction.cpu_s * 1e3:.2f}, sum {prediction.sync_s * 1e3:.2f}, optimizer {prediction.optimizer_s * 1e3:.2f},"
+        f" fixed {prediction.overhead_s * 1e3:.2f});"
         f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
     )
     rows.append("memory per stage: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))

@@ -111,8 +111,10 @@ class Profile:
     device_memory: dict[str, float] = field(default_factory=dict)
     """Bytes usable per stage role (absent: unlimited, as for emulated stages)."""
     step_overhead_s: float = 0.0
-    """Per step, outside the model: loading the batch in the training process, and sharing the
-    step's results between the ranks."""
+    """Per step, outside the model: the training loop's own work (loading the batch, Lightning's
+    hooks and logging) and sharing the step's results between the ranks. ``WorkloadAnalyzer``
+    first estimates it from the batch load and the exchange alone, then measures it in the run's
+    first steps."""
 
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)

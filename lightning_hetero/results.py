@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ __all__ = [
     "LoggedValue",
     "WorkerReport",
     "LogCapture",
-    "exchange",
+    "ReportExchange",
     "combine_loss",
     "combine_logs",
     "relog",
@@ -132,11 +133,41 @@ def _dtype(value: Any) -> torch.dtype | None:
     return value.dtype if isinstance(value, Tensor) else None
 
 
-def exchange(report: WorkerReport, group: dist.ProcessGroup | None = None) -> list[WorkerReport]:
-    """Every rank's report, on every rank (one all-gather over ``group``, all ranks by default)."""
-    reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, report, group=group)
-    return reports
+class ReportExchange:
+    """Every rank's report, on every rank, in one all-gather over ``group`` (all ranks by default).
+
+    ``dist.all_gather_object`` takes two collectives and several copies per call, which costs
+    milliseconds a step where processes share cores. Here each rank pickles its report into a
+    fixed-size buffer headed by its length, and one all-gather carries them all. Every rank sees
+    every length, so when a report outgrows the buffer all ranks agree to gather again at the
+    largest size, and keep that size from then on.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, capacity: int = 4096) -> None:
+        self.group = group
+        self.capacity = capacity
+        self._world = dist.get_world_size(group)
+
+    def __call__(self, report: WorkerReport) -> list[WorkerReport]:
+        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+        gathered = self._gather(data, self.capacity)
+        lengths = gathered[:, :_HEADER].contiguous().view(torch.int64).flatten().tolist()
+        if max(lengths) > self.capacity:
+            self.capacity = max(lengths)
+            gathered = self._gather(data, self.capacity)
+        return [pickle.loads(row[_HEADER : _HEADER + n].numpy().tobytes()) for row, n in zip(gathered, lengths)]
+
+    def _gather(self, data: bytes, capacity: int) -> Tensor:
+        buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
+        buffer[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if len(data) <= capacity:
+            buffer[_HEADER : _HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self._world, _HEADER + capacity, dtype=torch.uint8)
+        dist.all_gather(list(out.unbind()), buffer, group=self.group)
+        return out
+
+
+_HEADER = 8  # bytes: each report's pickled length, as an int64
 
 
 def combine_loss(reports: list[WorkerReport]) -> tuple[float, torch.dtype | None] | None:

@@ -61,7 +61,7 @@ from lightning_hetero.module import check_model_contract, layer_names
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.pipeline import Pipeline, ScheduleArg, StageModule, partition_layers, resolve_schedule
 from lightning_hetero.record import Recorder, StepClock, StepRecord
-from lightning_hetero.results import WorkerReport, combine_logs, combine_loss, exchange, merge_outputs, relog
+from lightning_hetero.results import ReportExchange, WorkerReport, combine_logs, combine_loss, merge_outputs, relog
 from lightning_hetero.shares import Shares, split_batch
 from lightning_hetero.state import (
     refresh_replicas,
@@ -208,6 +208,7 @@ class HeteroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
         self._control: Optional[dist.ProcessGroup] = None
+        self._exchange: Optional[ReportExchange] = None
         self._worker: Optional[Union[CpuWorker, StageWorker]] = None
         self._grad_sync: Optional[GradientSync] = None
         self._sync_gradients = True
@@ -473,6 +474,7 @@ class HeteroStrategy(ParallelStrategy):
         atexit.register(_destroy_process_groups)
         self._groups = build_process_groups(self.topology, self.global_rank, self._timeout)
         self._control = self._groups.control
+        self._exchange = ReportExchange(self._control)
         self._recorder = Recorder(self.global_rank, str(self.role), self.root_device)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(threads_for(self.role, self.topology, cores, self._cpu_threads))
@@ -665,7 +667,8 @@ class HeteroStrategy(ParallelStrategy):
         """Share every rank's report and log the combined values here, so every rank logs the same."""
         if self._report_device_stats:
             report.device = device_stats(self.root_device, meter="step")
-        reports = exchange(report, self._control)
+        assert self._exchange is not None
+        reports = self._exchange(report)
         if self._report_device_stats:
             self.latest_device_stats = {name: r.device or {} for name, r in zip(self.device_names, reports)}
         relog(self.lightning_module, combine_logs(reports), self.root_device)

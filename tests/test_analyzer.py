@@ -74,9 +74,11 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
     (step, predicted), = column(rows, "analyzer/predicted_step_s")
     (_, measured), = column(rows, "analyzer/measured_step_s")
     (_, error), = column(rows, "analyzer/prediction_error")
-    assert 3 + 2 <= step <= STEPS  # after the warm-up and the measured steps
-    assert predicted == pytest.approx(plan.predicted_step_s) and measured > 0
-    assert error == pytest.approx(measured / predicted - 1)
+    (_, fixed), = column(rows, "analyzer/fixed_step_s")
+    assert 5 + 2 <= step <= STEPS  # after the warm-up and the measured steps
+    assert measured > 0 and error == pytest.approx(measured / predicted - 1)
+    # The fixed cost per step measured in the warm-up replaced the estimate, in the prediction and the profile.
+    assert 0 < fixed < predicted and fixed == pytest.approx(Profile.load(logs / "profile.json").step_overhead_s)
 
 
 def test_replayed_plan_reproduces_the_analyzers_layout(tmp_path: Path) -> None:

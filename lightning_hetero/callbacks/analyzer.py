@@ -38,7 +38,7 @@ from lightning_hetero.profiling import (
     time_link,
     time_optimizer,
 )
-from lightning_hetero.results import WorkerReport, exchange
+from lightning_hetero.results import ReportExchange, WorkerReport
 from lightning_hetero.workers import batch_size_of
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["WorkloadAnalyzer"]
 
 _SCHEDULE_NAMES = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
-_WARMUP_STEPS = 3
+_WARMUP_STEPS = 5
 
 
 class WorkloadAnalyzer(L.Callback):
@@ -56,8 +56,8 @@ class WorkloadAnalyzer(L.Callback):
     Args:
         repeats: timings per measurement, after one warm-up; the median is kept.
         max_micro_batches: the most micro-batches the planner considers.
-        measure_steps: training steps (after a warm-up of three) whose median step time is logged
-            beside the predicted one.
+        measure_steps: training steps (after a warm-up of five, in which the fixed cost per step is
+            measured) whose median step time is logged beside the predicted one.
         memory_fraction: the share of each GPU's memory the planner may fill.
         save_dir: where ``plan.yaml``, ``profile.json`` and ``explain.txt`` go (default: the
             trainer's log directory).
@@ -80,6 +80,7 @@ class WorkloadAnalyzer(L.Callback):
         self.prediction: Optional[Prediction] = None
         self.profile: Optional[Profile] = None
         self.measured_step_s: Optional[float] = None
+        self._calibrated = False
         self._steps: list[float] = []
 
     # ------------------------------------------------------------ planning
@@ -147,16 +148,17 @@ class WorkloadAnalyzer(L.Callback):
             "exchange_s": exchange_s,
         }
 
-    def _exchange_time(self, strategy: "HeteroStrategy") -> float:
-        """Seconds to share a step's results (loss and a few logged values) between the ranks."""
+    def _exchange_time(self, strategy: "HeteroStrategy", repeats: int = 10) -> float:
+        """Seconds to share a step's results (loss and a few logged values) between the ranks, all
+        ranks at once as in the run (median of ``repeats`` after two warm-ups)."""
         report = WorkerReport(samples=1, loss=0.0, loss_dtype=torch.float32, logs=[])
-        control = strategy.process_groups.control  # type: ignore[union-attr]
+        share = ReportExchange(strategy.process_groups.control)  # type: ignore[union-attr]
         times = []
-        for _ in range(self.repeats + 1):
+        for _ in range(repeats + 2):
             start = time.perf_counter()
-            exchange(report, control)
+            share(report)
             times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
+        return statistics.median(times[2:])
 
     def _measure_links(self, strategy: "HeteroStrategy", model_bytes: int, layer_bytes: int) -> dict[str, LinkProfile]:
         """Every rank takes part in the measurements of the groups it is in, in the same order.
@@ -256,8 +258,14 @@ class WorkloadAnalyzer(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.prediction is None or self.measured_step_s is not None:
             return
-        record = trainer.strategy.step_records[-1] if trainer.strategy.step_records else None
-        if record is None or record.step < _WARMUP_STEPS:
+        strategy = trainer.strategy
+        record = strategy.step_records[-1] if strategy.step_records else None
+        if record is None or record.step < _WARMUP_STEPS - 1:
+            return
+        if not self._calibrated:
+            self._calibrate(trainer)  # every rank, at the same batch: a collective
+            return
+        if record.step < _WARMUP_STEPS:
             return
         self._steps.append(record.total)
         if len(self._steps) < self.measure_steps:
@@ -267,6 +275,7 @@ class WorkloadAnalyzer(L.Callback):
             "analyzer/predicted_step_s": self.prediction.step_s,
             "analyzer/measured_step_s": self.measured_step_s,
             "analyzer/prediction_error": self.measured_step_s / self.prediction.step_s - 1,
+            "analyzer/fixed_step_s": self.prediction.overhead_s,
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -275,6 +284,30 @@ class WorkloadAnalyzer(L.Callback):
             table = self.explanation()
             (directory / "explain.txt").write_text(table + "\n")
             rank_zero_info(f"WorkloadAnalyzer, predicted vs measured:\n{table}")
+
+    def _calibrate(self, trainer: L.Trainer) -> None:
+        """Measure the fixed cost per step in the first steps, and put it in the prediction (and the
+        profile) in place of the estimate made before training.
+
+        The profile cannot see the training loop's own work (Lightning's hooks and logging, the
+        batch load) as it is done between busy processes, so it is taken from the steps after the
+        first (which pays one-time costs): per step, the longest time a rank spent between steps,
+        plus the shortest time a rank spent sharing the results (the last to arrive waits for no
+        one; the others' extra is the slower side's work, which the model predicts). A fixed cost
+        is the same for every layout, so the plan it chose stays the best one."""
+        assert self.prediction is not None and self.profile is not None
+        self._calibrated = True
+        strategy = trainer.strategy
+        mine = [(r.data, r.wait) for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
+        ranks = strategy.gather(mine)
+        per_step = [max(d for d, _ in step) + min(w for _, w in step) for step in zip(*ranks)]
+        if not per_step:
+            return
+        self.profile.step_overhead_s = statistics.median(per_step)
+        self.prediction = self.prediction.with_overhead(self.profile.step_overhead_s)
+        directory = self._directory(trainer)
+        if trainer.is_global_zero:
+            self.profile.save(directory / "profile.json")
 
     def explanation(self) -> str:
         """Per layer: its time on each device and where it was placed; the predicted step time, and
