@@ -7,11 +7,14 @@ one run, repeats them, and reports medians and ratios.
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,23 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import PipelineModule
+
+
+@dataclass
+class Row:
+    """One line of the benchmark table: a ratio measured side by side in one run."""
+
+    benchmark: str
+    configuration: str
+    ratio: float
+    goal: str = ""
+    note: str = ""
+
+
+def send_rows(benchmark: str, smoke: bool, send: Connection) -> None:
+    """Run ``benchmarks.<benchmark>.rows`` and send what it returns (the target of the entry
+    command's process per benchmark)."""
+    send.send(importlib.import_module(f"benchmarks.{benchmark}").rows(smoke=smoke))
 
 
 class StepTimer(L.Callback):
@@ -114,11 +134,13 @@ def step_times(
     steps: int,
     callbacks: list | None = None,
     logger: Any = False,
+    **trainer_kwargs: Any,
 ) -> list[float]:
     """Train ``steps`` steps and return the per-step wall times after warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         kwargs: dict[str, Any] = {"strategy": strategy} if strategy is not None else {"accelerator": "cpu", "devices": 1}
+        kwargs.update(trainer_kwargs)
         trainer = L.Trainer(
             max_steps=steps,
             callbacks=[StepTimer(out), *(callbacks or [])],

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from benchmarks.common import Row
 from lightning_hetero.offload import OffloadStep, param_index
 
 ADAM_BYTES_PER_PARAM = 28
@@ -58,18 +59,15 @@ def offloaded_step(numel: int, host_copies: bool) -> Callable[[], None]:
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--params", type=int, default=16 * 2**20)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    args = parser.parse_args()
-    n = args.params
-    cores = torch.get_num_threads()
-    print(f"AdamW on {n / 2**20:.0f} Mi fp32 parameters; G params/s (median of {args.repeats}), alternating")
-    names = ["single-tensor", "foreach", "fused", "offloaded", "offloaded+copies"]
-    print(f"{'threads':>7s} " + " ".join(f"{name:>16s}" for name in names) + f" {'bound':>7s} {'fused/bound':>11s}")
-    for threads in args.threads:
+NAMES = ["single-tensor", "foreach", "fused", "offloaded", "offloaded+copies"]
+DEFAULTS = dict(params=16 * 2**20, repeats=15, threads=[1, 2])
+
+
+def measure(params: int, repeats: int, threads: list[int]) -> dict[int, dict[str, float]]:
+    """Per thread count: G params/s of each configuration, and the bandwidth bound."""
+    n, cores = params, torch.get_num_threads()
+    results = {}
+    for count in threads:
         configs = {
             "single-tensor": adam_step(n, foreach=False),
             "foreach": adam_step(n, foreach=True),
@@ -81,17 +79,49 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in configs}
         for run in configs.values():  # warm-up: allocate state
             run()
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, run in configs.items():
                 # The bandwidth is the machine's, measured with all its threads.
-                torch.set_num_threads(cores if name == "bandwidth" else threads)
+                torch.set_num_threads(cores if name == "bandwidth" else count)
                 start = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - start)
+        torch.set_num_threads(cores)
         rate = {name: n / statistics.median(t) / 1e9 for name, t in times.items()}
-        bound = rate["bandwidth"] * TRIAD_BYTES_PER_ELEMENT / ADAM_BYTES_PER_PARAM
-        cells = " ".join(f"{rate[name]:16.3f}" for name in names)
-        print(f"{threads:7d} {cells} {bound:7.3f} {rate['fused'] / bound:11.2f}")
+        rate["bound"] = rate.pop("bandwidth") * TRIAD_BYTES_PER_ELEMENT / ADAM_BYTES_PER_PARAM
+        results[count] = rate
+    return results
+
+
+def rows(smoke: bool = False) -> list[Row]:
+    sizes = dict(params=2**16, repeats=2, threads=[torch.get_num_threads()]) if smoke else DEFAULTS
+    results = measure(**{**sizes, "threads": [max(sizes["threads"])]})
+    (threads, rate), = results.items()
+    return [
+        Row("CPU optimizer", f"offloaded AdamW / torch {peer} AdamW, {threads} threads (params/s)", rate["offloaded"] / rate[peer])
+        for peer in ("foreach", "fused")
+    ] + [
+        Row(
+            "CPU optimizer",
+            f"offloaded AdamW / memory-bandwidth bound, {threads} threads (params/s)",
+            rate["offloaded"] / rate["bound"],
+            "<= 1",
+            f"bound {rate['bound']:.2f} G params/s",
+        )
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--params", type=int, default=DEFAULTS["params"])
+    parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
+    parser.add_argument("--threads", type=int, nargs="+", default=DEFAULTS["threads"])
+    args = parser.parse_args()
+    print(f"AdamW on {args.params / 2**20:.0f} Mi fp32 parameters; G params/s (median of {args.repeats}), alternating")
+    print(f"{'threads':>7s} " + " ".join(f"{name:>16s}" for name in NAMES) + f" {'bound':>7s} {'fused/bound':>11s}")
+    for threads, rate in measure(args.params, args.repeats, args.threads).items():
+        cells = " ".join(f"{rate[name]:16.3f}" for name in NAMES)
+        print(f"{threads:7d} {cells} {rate['bound']:7.3f} {rate['fused'] / rate['bound']:11.2f}")
 
 
 if __name__ == "__main__":

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import MLP, alternate, step_times, synthetic_loader
+from benchmarks.common import MLP, Row, alternate, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=256)
-    args = parser.parse_args()
-    loader = synthetic_loader(args.batch_size * args.steps, args.batch_size)
+DEFAULTS = dict(steps=40, repeats=3, width=512, batch_size=256)
+PLAIN = "plain Lightning, 1 process"
+
+
+def measure(steps: int, repeats: int, width: int, batch_size: int) -> dict[str, float]:
+    """Median step time of each configuration."""
+    loader = synthetic_loader(batch_size * steps, batch_size)
 
     def run(strategy_kwargs: dict | None) -> list[float]:
         # forkserver: the hetero workers must not be forked from this process, which has run
@@ -30,17 +29,34 @@ def main() -> None:
         strategy = None
         if strategy_kwargs is not None:
             strategy = HeteroStrategy(stages=["cpu"], start_method="forkserver", **strategy_kwargs)
-        return step_times(strategy, MLP(width=args.width), loader, args.steps)
+        return step_times(strategy, MLP(width=width), loader, steps)
 
-    medians = alternate(
+    return alternate(
         {
-            "plain Lightning, 1 process": lambda: run(None),
+            PLAIN: lambda: run(None),
             "hetero, 1 stage, no CPU worker": lambda: run({"cpu_workers": 0, "micro_batches": 1}),
             "hetero, 1 stage + idle CPU worker": lambda: run({"cpu_workers": 1, "cpu_fraction": 0.0, "micro_batches": 1}),
         },
-        repeats=args.repeats,
+        repeats=repeats,
     )
-    base = medians["plain Lightning, 1 process"]
+
+
+def rows(smoke: bool = False) -> list[Row]:
+    medians = measure(**(dict(steps=6, repeats=1, width=32, batch_size=16) if smoke else DEFAULTS))
+    return [
+        Row("overhead", f"{name} / {PLAIN} (step time)", median / medians[PLAIN], "< 1.03")
+        for name, median in medians.items()
+        if name != PLAIN
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name, default in DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    args = parser.parse_args()
+    medians = measure(args.steps, args.repeats, args.width, args.batch_size)
+    base = medians[PLAIN]
     print(f"{'configuration':40s} {'median step (ms)':>17s} {'vs plain':>9s}")
     for name, median in medians.items():
         print(f"{name:40s} {median * 1e3:17.2f} {median / base:9.3f}")

@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from benchmarks.common import MLP, step_times, synthetic_loader
+from benchmarks.common import MLP, Row, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer
 
@@ -46,6 +46,59 @@ class FinalFraction(L.Callback):
             self.out.write_text(str(trainer.strategy.cpu_fraction))
 
 
+DEFAULTS = dict(steps=60, alone_steps=10, repeats=2, batch_size=64, pipeline_speed=500.0, every=5, ratios=[3, 10])
+
+
+def measure(
+    steps: int, alone_steps: int, repeats: int, batch_size: int, pipeline_speed: float, every: int, ratios: list[int]
+) -> list[dict]:
+    """Per CPU:pipeline speed ratio: samples/s of each configuration and the settled fractions."""
+    torch.set_num_threads(1)  # this process only launches; keep it fork-safe (see launcher.py)
+    loader = synthetic_loader(batch_size * steps, batch_size, features=FEATURES)
+    fractions: list[float] = []
+
+    def run(cpu_speed: float, steps: int, rebalance: bool = False, **kwargs: Any) -> list[float]:
+        speed = {"cpu": cpu_speed, "pipeline": pipeline_speed}
+        strategy = HeteroStrategy(stages=["cpu", "cpu"], micro_batches=2, start_method="fork", emulated_speed=speed, **kwargs)
+        model = MLP(width=32, depth=4, features=FEATURES)
+        if not rebalance:
+            return step_times(strategy, model, loader, steps)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "fraction"
+            callbacks = [AdaptiveRebalancer(every_n_steps=every, verbose=False), FinalFraction(out)]
+            times = step_times(strategy, model, loader, steps, callbacks=callbacks)
+            fractions.append(float(out.read_text()))
+            return times
+
+    results = []
+    for ratio in ratios:
+        cpu_speed = pipeline_speed / ratio
+        times: dict[str, list[float]] = {"cpu": [], "pipeline": [], "fixed": [], "whole": [], "settled": []}
+        fractions.clear()
+        for _ in range(repeats):
+            times["cpu"] += run(cpu_speed, alone_steps, cpu_fraction=1.0)
+            times["pipeline"] += run(cpu_speed, alone_steps, cpu_fraction=0.0)
+            times["fixed"] += run(cpu_speed, steps, cpu_fraction=0.5)
+            rebalanced = run(cpu_speed, steps, rebalance=True)
+            times["whole"].append(statistics.mean(rebalanced))
+            times["settled"] += rebalanced[len(rebalanced) // 2 :]
+        throughput = {k: batch_size / statistics.median(v) for k, v in times.items()}
+        ideal = throughput["cpu"] + throughput["pipeline"]
+        results.append({"ratio": ratio, "ideal": ideal, **throughput, "fractions": list(fractions)})
+    return results
+
+
+def rows(smoke: bool = False) -> list[Row]:
+    sizes = dict(steps=12, alone_steps=6, repeats=1, every=3, ratios=[3]) if smoke else {}
+    out = []
+    for r in measure(**{**DEFAULTS, **sizes}):
+        ideal_fraction = 1 / (1 + r["ratio"])
+        for key, label, goal in (("settled", "rebalanced (settled)", ">= 0.9"), ("fixed", "fixed 50/50 split", "")):
+            note = f"fraction {', '.join(f'{f:.3f}' for f in r['fractions'])} (ideal {ideal_fraction:.3f})" if key == "settled" else ""
+            out.append(Row("rebalancer", f"CPU:pipeline 1:{r['ratio']}, {label} / ideal (samples/s)", r[key] / r["ideal"], goal, note))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60, help="steps of the rebalanced and fixed-split runs")
@@ -55,46 +108,18 @@ def main() -> None:
     parser.add_argument("--pipeline-speed", type=float, default=500.0, help="emulated pipeline samples/s")
     parser.add_argument("--every", type=int, default=5, help="the rebalancer's every_n_steps")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # this process only launches; keep it fork-safe (see launcher.py)
-    loader = synthetic_loader(args.batch_size * args.steps, args.batch_size, features=FEATURES)
-
-    fractions: list[float] = []
-
-    def run(cpu_speed: float, steps: int, rebalance: bool = False, **kwargs: Any) -> list[float]:
-        speed = {"cpu": cpu_speed, "pipeline": args.pipeline_speed}
-        strategy = HeteroStrategy(stages=["cpu", "cpu"], micro_batches=2, start_method="fork", emulated_speed=speed, **kwargs)
-        model = MLP(width=32, depth=4, features=FEATURES)
-        if not rebalance:
-            return step_times(strategy, model, loader, steps)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "fraction"
-            callbacks = [AdaptiveRebalancer(every_n_steps=args.every, verbose=False), FinalFraction(out)]
-            times = step_times(strategy, model, loader, steps, callbacks=callbacks)
-            fractions.append(float(out.read_text()))
-            return times
-
+    results = measure(**vars(args), ratios=DEFAULTS["ratios"])
     print(
         f"MLP 4x32, batch {args.batch_size}, 1 CPU worker + 2 emulated stages (2 micro-batches);"
         f" emulated pipeline {args.pipeline_speed:g} samples/s; samples/s as a ratio of the ideal"
     )
     header = f"{'CPU:pipeline':>12s} {'ideal (samples/s)':>18s} {'fixed 50/50':>12s} {'rebalanced, whole run':>22s}"
     print(header + f" {'rebalanced, settled':>20s} {'settled fraction (ideal)':>25s}")
-    for ratio in (3, 10):
-        cpu_speed = args.pipeline_speed / ratio
-        times: dict[str, list[float]] = {"cpu": [], "pipeline": [], "fixed": [], "whole": [], "settled": []}
-        fractions.clear()
-        for _ in range(args.repeats):
-            times["cpu"] += run(cpu_speed, args.alone_steps, cpu_fraction=1.0)
-            times["pipeline"] += run(cpu_speed, args.alone_steps, cpu_fraction=0.0)
-            times["fixed"] += run(cpu_speed, args.steps, cpu_fraction=0.5)
-            rebalanced = run(cpu_speed, args.steps, rebalance=True)
-            times["whole"].append(statistics.mean(rebalanced))
-            times["settled"] += rebalanced[len(rebalanced) // 2 :]
-        throughput = {k: args.batch_size / statistics.median(v) for k, v in times.items()}
-        ideal = throughput["cpu"] + throughput["pipeline"]
+    for r in results:
+        ideal = r["ideal"]
         print(
-            f"{'1:' + str(ratio):>12s} {ideal:18.1f} {throughput['fixed'] / ideal:12.3f} {throughput['whole'] / ideal:22.3f}"
-            f" {throughput['settled'] / ideal:20.3f} {' '.join(f'{f:.3f}' for f in fractions):>17s} ({1 / (1 + ratio):.3f})"
+            f"{'1:' + str(r['ratio']):>12s} {ideal:18.1f} {r['fixed'] / ideal:12.3f} {r['whole'] / ideal:22.3f}"
+            f" {r['settled'] / ideal:20.3f} {' '.join(f'{f:.3f}' for f in r['fractions']):>17s} ({1 / (1 + r['ratio']):.3f})"
         )
 
 

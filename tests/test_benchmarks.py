@@ -1,0 +1,32 @@
+"""Every benchmark runs, at smoke size, through the one entry command (timings not asserted)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.__main__ import BENCHMARKS, CUDA_ROWS
+
+
+def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
+    out = tmp_path / "table.md"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parents[1],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    names = {line[0].lstrip("| ") for line in lines}
+    assert names == {"overhead", "pipeline overhead", "hetero vs Lightning", "CPU optimizer", "rebalancer", "CUDA"}
+    assert len(BENCHMARKS) == 5
+    for benchmark, _, value, *_ in lines:
+        if benchmark.lstrip("| ") == "CUDA":
+            assert value == "n/a"  # no CUDA device here: reported, not measured
+        else:
+            assert 0 < float(value) < math.inf
+    assert sum(line[0].lstrip("| ") == "CUDA" for line in lines) == len(CUDA_ROWS)
