@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.utils import _sync_module_states
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
@@ -56,6 +57,7 @@ import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.launcher import HeteroLauncher
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.files import AtomicCheckpointIO
 from lightning_hetero.devices import device_stats
 from lightning_hetero.module import check_model_contract, layer_names
 from lightning_hetero.plan import HeteroPlan
@@ -852,6 +854,21 @@ class HeteroStrategy(ParallelStrategy):
         return box[0]
 
     # -------------------------------------------------------------- checkpoints
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Lightning's default, except that a process killed while saving leaves the previous
+        # checkpoint intact (see `files.py`); a CheckpointIO passed in is used as it is.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # only where it wraps none
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
 
     @property
     def _rank_zero_has_everything(self) -> bool:
