@@ -925,9 +925,15 @@ class HeteroStrategy(ParallelStrategy):
         if _distributed_is_initialized():
             exception.add_note(self.describe_rank())
 
+    def rank_name(self, local_rank: int) -> str:
+        """A process of this node, for messages: ``global rank 2 (stage1 of <the layout>)``."""
+        topo = self.topology
+        rank = self.node_rank * topo.procs_per_node + local_rank
+        return f"global rank {rank} ({topo.role(local_rank)} of {topo.describe()})"
+
     def describe_rank(self) -> str:
         """Which process this is, for error messages."""
-        note = f"[hetero] raised on global rank {self.global_rank} ({self.role} of {self.topology.describe()})."
+        note = f"[hetero] raised on {self.rank_name(self.local_rank)}."
         if self.role.is_stage:
             note += " The layers of the other stages exist only on the meta device on this rank."
             if not self.role.is_last_stage:

@@ -13,14 +13,15 @@ sums and steps bucket by bucket while the backward is still running.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Union
-
-import time
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -256,9 +257,9 @@ class OverlappedSync:
         devices = {p.device for params in self._params for p in params if p.device.type == "cuda"}
         self._device = next(iter(devices), None)
         # Threads do not inherit the current CUDA device: give them the stage's.
-        init = {"initializer": torch.cuda.set_device, "initargs": (self._device,)} if self._device else {}
-        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-sums", **init)
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-steps", **init)
+        init = partial(torch.cuda.set_device, self._device) if self._device else None
+        self._starter = _DaemonThread("hetero-sums", init)
+        self._stepper = _DaemonThread("hetero-steps", init)
         self._hooks: dict[nn.Parameter, Any] = {}
         self._armed = False
         self.handed_early = 0
@@ -322,8 +323,8 @@ class OverlappedSync:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
-        self._starter.shutdown(wait=False, cancel_futures=True)
-        self._stepper.shutdown(wait=False, cancel_futures=True)
+        self._starter.shutdown()
+        self._stepper.shutdown()
 
     def _arrived(self, k: int, param: nn.Parameter) -> None:
         if not self._armed:
@@ -378,6 +379,45 @@ class OverlappedSync:
         self.step_seconds += time.perf_counter() - start
         if not self._backward_over:
             self._stepped_in_backward += 1
+
+
+class _DaemonThread:
+    """One thread that runs the calls given to ``submit`` in order, like a ``ThreadPoolExecutor``
+    of one worker, except that the thread is a daemon: its calls wait in collectives for other
+    ranks, and an executor's threads are joined when the process exits, so a rank that failed
+    while a sum was in flight would stay alive until a peer answered or the timeout ran out."""
+
+    def __init__(self, name: str, initializer: Optional[Callable[[], Any]] = None) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started yet and end the thread after the running one."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+
+    def _run(self, initializer: Optional[Callable[[], Any]]) -> None:
+        if initializer is not None:
+            initializer()
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:
+                future.set_exception(error)
 
 
 def clip_to_norm(params: Sequence[Tensor], max_norm: float, total: Tensor) -> None:
