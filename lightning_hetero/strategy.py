@@ -82,6 +82,7 @@ from lightning_hetero.topology import (
     Topology,
     build_process_groups,
     resolve_stage_devices,
+    restart_store,
     threads_for,
     world_backend,
 )
@@ -468,7 +469,13 @@ class HeteroStrategy(ParallelStrategy):
                 f" {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
                 f" --nproc-per-node={self.num_processes}`)."
             )
-        _init_dist_connection(self.cluster_environment, world_backend(self.topology), timeout=self._timeout)
+        store = restart_store(self._timeout)
+        _init_dist_connection(
+            self.cluster_environment,
+            world_backend(self.topology),
+            timeout=self._timeout,
+            **({"store": store} if store is not None else {}),
+        )
         # A process that exits with gloo groups alive can abort in interpreter finalization
         # ("terminate called without an active exception"); take them down while Python is whole.
         atexit.unregister(_destroy_process_groups)

@@ -24,7 +24,7 @@ from lightning_hetero import files
 from lightning_hetero.launcher import GRACE_S
 from tests.conftest import Fault, hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
-from tests.test_launchers import SCRIPT, clean_env
+from tests.test_launchers import SCRIPT, clean_env, torchrun_nodes
 
 TOL = 1e-10
 TIMEOUT_S = 20
@@ -144,3 +144,11 @@ def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
     assert time.monotonic() - start < 120  # three interpreters start on one core; no collective timed out
 
+
+def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path: Path, reference: dict) -> None:
+    """`ModelCheckpoint(save_last=True)` and `fit(ckpt_path="last")`: a stage killed in step 6 of the
+    first attempt, torchrun restarts every process, and the run continues from step 4 to the same model."""
+    script = [str(SCRIPT), str(tmp_path), "--fault", "2:6:kill", "--resume", str(tmp_path / "ckpt")]
+    assert torchrun_nodes(script, nodes=1, flags=["--max-restarts=1"]) == [0]
+    assert (tmp_path / "fault.done").exists() and (tmp_path / "restarts.txt").read_text() == "1"
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
