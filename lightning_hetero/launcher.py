@@ -12,24 +12,44 @@ Two ways, both Lightning's own launchers underneath:
 
 Whatever the method, the model contract is checked in the main process first, so a model that
 cannot run gets its error before any process starts.
+
+A process that fails (an exception, a signal, a crash) ends the run at once: the launcher gives
+the others ``GRACE_S`` seconds to end by themselves, kills those left (SIGKILL: a process blocked
+in a collective never handles SIGTERM), and raises an error that names the rank that failed
+first, its role, and why. A process that hangs without failing is ended by the strategy's
+``timeout``: its peers' collectives fail, and the launcher stops everything.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 import warnings
+from collections.abc import Sequence
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+import torch.multiprocessing as mp
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _check_bad_cuda_fork,
+    _check_missing_main_guard,
+    _disable_module_memory_sharing,
+)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessExitedException
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -37,7 +57,10 @@ import lightning.pytorch as pl
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["HeteroLauncher"]
+__all__ = ["HeteroLauncher", "GRACE_S"]
+
+GRACE_S = 2.0
+"""Seconds the other processes get to end by themselves after one failed, before they are killed."""
 
 
 class _Processes(_MultiProcessingLauncher):
@@ -46,6 +69,41 @@ class _Processes(_MultiProcessingLauncher):
     Results travel as bytes so that no tensor depends on the shared memory of a process that has
     exited, which is why Lightning itself refuses to return predictions from launchers of this kind.
     """
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        # Lightning's launch, with `_join` in place of torch's join, which asks the processes left
+        # to end with SIGTERM and waits 30 s before it kills them.
+        if self._start_method in ("fork", "forkserver"):
+            _check_bad_cuda_fork()
+        if self._start_method == "spawn":
+            _check_missing_main_guard()
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError(
+                "Calling `trainer.fit()` twice on the same Trainer with the fork, spawn or forkserver start method is"
+                " not supported. Create a new Trainer and pass `fit(ckpt_path=...)`."
+            )
+        assert self._strategy.cluster_environment is not None
+        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)
+        return_queue = mp.get_context(self._start_method).SimpleQueue()
+        process_args = [trainer, function, args, kwargs, return_queue]
+        if self._start_method == "spawn":
+            process_args.append(_GlobalStateSnapshot.capture())
+        context = mp.start_processes(
+            self._wrapping_function,
+            args=process_args,
+            nprocs=self._strategy.num_processes,
+            start_method=self._start_method,
+            join=False,
+        )
+        self.procs = context.processes
+        _join(context, self._strategy.rank_name)
+        worker_output = return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
 
     @override
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any) -> None:
@@ -82,6 +140,150 @@ class _Processes(_MultiProcessingLauncher):
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
+def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
+    """Wait for every process. When one fails, stop the others (``_stop``) and raise torch's
+    exception for the one that failed first: its Python error, or the signal or exit code it ended
+    with; ``rank_name`` names a process index (its local rank) in the note on those it had to kill."""
+    waiting = dict(context.sentinels)  # sentinel -> process index
+    while waiting:
+        for sentinel in wait(list(waiting)):
+            index = waiting.pop(sentinel)
+            process = context.processes[index]
+            process.join()
+            if process.exitcode == 0:
+                continue
+            killed = _stop([context.processes[i] for i in waiting.values()])
+            # torch's join raises for the first failed process among those it waits for: this one.
+            context.sentinels = {sentinel: index}
+            try:
+                context.join()
+            except ProcessException as error:
+                if killed:
+                    error.add_note(_killed_note([rank_name(context.processes.index(p)) for p in killed]))
+                raise
+
+
+def _stop(processes: Sequence[Any], grace: float = GRACE_S) -> list[Any]:
+    """Give ``processes`` (``multiprocessing.Process`` or ``subprocess.Popen``) ``grace`` seconds to
+    end by themselves, then kill those left; return the ones it killed."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        _wait(process, max(0.0, deadline - time.monotonic()))
+    killed = [p for p in processes if _exit_code(p) is None]
+    for process in killed:
+        process.kill()
+    for process in killed:
+        _wait(process, None)
+    return killed
+
+
+def _killed_note(names: list[str]) -> str:
+    return (
+        f"[hetero] Still running {GRACE_S:g} s after that, and killed: {'; '.join(names)}. Where the error above is"
+        " a timeout, these are the ranks that stopped taking part."
+    )
+
+
+def _wait(process: Any, timeout: Optional[float]) -> None:
+    if isinstance(process, subprocess.Popen):
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        process.join(timeout)
+
+
+def _exit_code(process: Any) -> Optional[int]:
+    return process.poll() if isinstance(process, subprocess.Popen) else process.exitcode
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that ended it)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    hint = {
+        "SIGKILL": " (sent by a user, a scheduler, or the kernel when memory runs out)",
+        "SIGSEGV": " (a crash in native code)",
+        "SIGABRT": " (an abort in native code)",
+    }
+    return f"was killed by {name}{hint.get(name, '')}"
+
+
+class _Script(_SubprocessScriptLauncher):
+    """Lightning's popen launch, with a watch on the other ranks' processes (``_ChildWatch``):
+    when one fails, the others are stopped, so this process's collectives fail at once and its
+    error names the rank that failed. (Lightning's own observer kills this process too, silently.)"""
+
+    def __init__(self, strategy: "HeteroStrategy") -> None:
+        assert strategy.cluster_environment is not None
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:  # a process this launch started
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+        self._call_children_scripts()
+        watch = _ChildWatch(self.procs, self._strategy)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            watch.stop()
+            for note in watch.failures():
+                error.add_note(note)
+            raise
+        finally:
+            watch.close()
+
+
+class _ChildWatch:
+    """Watches the processes this one started for the other local ranks (popen): as soon as one
+    fails, the others are stopped (``_stop``), and this process learns which failed and how."""
+
+    POLL_S = 0.2
+
+    def __init__(self, procs: list[subprocess.Popen], strategy: "HeteroStrategy") -> None:
+        self._procs = procs  # local ranks 1, 2, ...
+        self._strategy = strategy
+        self._killed: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, name="hetero-child-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.POLL_S):
+            if any(p.poll() not in (None, 0) for p in self._procs):
+                self.stop()
+                return
+
+    def stop(self) -> None:
+        """Stop every process still running (after ``GRACE_S``); idempotent."""
+        with self._lock:
+            self._killed += _stop([p for p in self._procs if p.poll() is None])
+
+    def failures(self) -> list[str]:
+        """A line for each process that failed by itself (signals first: those are causes, not
+        consequences), and one naming those it had to kill."""
+        failed = [(rank, p.returncode) for rank, p in enumerate(self._procs, 1) if p.returncode and p not in self._killed]
+        failed.sort(key=lambda item: item[1] >= 0)
+        notes = [
+            f"[hetero] {self._strategy.rank_name(rank)} {describe_exit(code)}"
+            + (" (its error is printed above)." if code > 0 else ".")
+            for rank, code in failed
+        ]
+        if self._killed:
+            notes.append(_killed_note([self._strategy.rank_name(self._procs.index(p) + 1) for p in self._killed]))
+        return notes
+
+    def close(self) -> None:
+        self._closed.set()
+
+
 def _finish_wandb_run(failed: bool) -> None:
     """A child process ends with ``os._exit``, so wandb's exit hook never runs there: finish the
     run this process started (rank 0's logger run), or what it logged never reaches its files.
@@ -104,10 +306,7 @@ class HeteroLauncher(_Launcher):
         self.start_method = start_method
         self._launcher: _Launcher
         if start_method == "popen":
-            assert strategy.cluster_environment is not None
-            self._launcher = _SubprocessScriptLauncher(
-                strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
-            )
+            self._launcher = _Script(strategy)
         else:
             self._launcher = _Processes(strategy, start_method=start_method)  # type: ignore[arg-type]
 
@@ -130,7 +329,14 @@ class HeteroLauncher(_Launcher):
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
-        results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
+        except ProcessExitedException as error:  # a process ended without a Python error to tell why
+            error.add_note(
+                f"[hetero] {self._strategy.rank_name(error.error_index)} {describe_exit(error.exit_code)} in the"
+                f" middle of the run; the other processes were stopped."
+            )
+            raise
         if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":
             return results
         return torch.load(io.BytesIO(results), weights_only=False)  # written by our own rank 0 above

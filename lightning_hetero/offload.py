@@ -91,6 +91,11 @@ class BucketStep:
     def step(self) -> None:
         raise NotImplementedError
 
+    def skip(self) -> None:
+        """Drop the bucket's gradients without stepping (a step skipped on every rank)."""
+        for tensor in [*self.params, *self.grad_holders()]:
+            tensor.grad = None
+
     def after_all_steps(self) -> None:
         """Called on the training thread once every bucket has stepped."""
 

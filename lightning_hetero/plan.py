@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_hetero.files import atomic_write
+
 __all__ = ["HeteroPlan"]
 
 
@@ -118,10 +120,10 @@ class HeteroPlan:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 
     def save(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_yaml())
-        return path
+        """Write the plan as YAML, whole or not at all (``atomic_write``)."""
+        with atomic_write(path, "w") as f:
+            f.write(self.to_yaml())
+        return Path(path)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> HeteroPlan:

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_hetero.files import atomic_write
+
 from lightning_hetero.module import run_layers
 
 __all__ = [
@@ -117,10 +119,10 @@ class Profile:
     first steps."""
 
     def save(self, path: Union[str, Path]) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
-        return path
+        """Write the profile as JSON, whole or not at all (``atomic_write``)."""
+        with atomic_write(path, "w") as f:
+            f.write(json.dumps(asdict(self), indent=1))
+        return Path(path)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> Profile:

@@ -64,7 +64,8 @@ class LoggedValue:
 
 @dataclass
 class WorkerReport:
-    """What one rank computed in one step: its sample count, its loss, and its logged values."""
+    """What one rank computed in one step: its sample count, its loss, its logged values, and
+    whether they were finite."""
 
     samples: int = 0
     loss: float | None = None
@@ -72,6 +73,8 @@ class WorkerReport:
     logs: list[LoggedValue] = field(default_factory=list)
     device: dict[str, float] | None = None
     """The rank's process and device stats (``devices.device_stats``), where the run reports them."""
+    nonfinite: tuple[str, ...] = ()
+    """What of this rank's training step was NaN or Inf: its ``"loss"``, its ``"gradients"`` (``finite.py``)."""
 
 
 class LogCapture:

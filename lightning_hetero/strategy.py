@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.utils import _sync_module_states
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
@@ -56,6 +57,8 @@ import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.launcher import HeteroLauncher
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.files import AtomicCheckpointIO
+from lightning_hetero.finite import NonfinitePolicy, check_policy, describe_nonfinite, nonfinite_error, nonfinite_parts
 from lightning_hetero.devices import device_stats
 from lightning_hetero.module import check_model_contract, layer_names
 from lightning_hetero.plan import HeteroPlan
@@ -80,6 +83,7 @@ from lightning_hetero.topology import (
     Topology,
     build_process_groups,
     resolve_stage_devices,
+    restart_store,
     threads_for,
     world_backend,
 )
@@ -119,6 +123,12 @@ class HeteroStrategy(ParallelStrategy):
             layers of one stage).
         plan: a ``HeteroPlan`` (or the path of its YAML file) to replay: it sets every layout
             argument above and where the layers are cut, so leave those at their defaults.
+        nonfinite: what a NaN or Inf in any worker's loss or gradients does to its training step,
+            decided alike on every rank (``finite.py``): ``"error"`` ends the run with an error that
+            names the step and the workers; ``"skip"`` skips that optimizer step on every rank
+            (gradients dropped, the optimizer's state untouched), counts it in ``skipped_steps`` and
+            logs ``hetero/skipped_steps``. In fine mode, ``"skip"`` steps the buckets after the
+            backward instead of during it (every rank must know the verdict before any steps).
         emulated_speed: TESTING ONLY, off by default. Emulates workers of known speeds on a machine
             that has no such devices (tests and benchmarks of the rebalancer): ``{"cpu": r,
             "pipeline": q}`` makes each CPU worker's share of a training batch take at least
@@ -143,6 +153,7 @@ class HeteroStrategy(ParallelStrategy):
         offload: Union[Literal["auto", "none", "all"], Sequence[int]] = "auto",
         bucket_size_mb: float = 25.0,
         plan: Union[HeteroPlan, str, Path, None] = None,
+        nonfinite: NonfinitePolicy = "error",
         emulated_speed: Optional[Mapping[str, float]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -205,6 +216,11 @@ class HeteroStrategy(ParallelStrategy):
         self._start_method = start_method
         self._emulated_speed = _check_emulated_speed(emulated_speed)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._nonfinite = check_policy(nonfinite)
+        self.skipped_steps = 0
+        """Optimizer steps skipped for NaN or Inf (``nonfinite="skip"``) in this process's run."""
+        self._window_nonfinite = False  # a batch of this optimizer step's window saw NaN or Inf
+        self._skip_step = False  # this batch's optimizer step is skipped on every rank
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
         self._control: Optional[dist.ProcessGroup] = None
@@ -467,7 +483,13 @@ class HeteroStrategy(ParallelStrategy):
                 f" {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
                 f" --nproc-per-node={self.num_processes}`)."
             )
-        _init_dist_connection(self.cluster_environment, world_backend(self.topology), timeout=self._timeout)
+        store = restart_store(self._timeout)
+        _init_dist_connection(
+            self.cluster_environment,
+            world_backend(self.topology),
+            timeout=self._timeout,
+            **({"store": store} if store is not None else {}),
+        )
         # A process that exits with gloo groups alive can abort in interpreter finalization
         # ("terminate called without an active exception"); take them down while Python is whole.
         atexit.unregister(_destroy_process_groups)
@@ -578,7 +600,9 @@ class HeteroStrategy(ParallelStrategy):
             kind = OffloadStep if bucket.index in offloaded else DeviceStep
             step = kind(optimizer, params[bucket.index], self._optimizer_layout)
             entries.append((params[bucket.index], self._groups.sync[bucket.stage], step))
-        return OverlappedSync(entries, self._groups.replica, norm=self._global_norm)
+        return OverlappedSync(
+            entries, self._groups.replica, norm=self._global_norm, skip_nonfinite=self._nonfinite == "skip"
+        )
 
     def _refresh_overlap(self) -> None:
         """Rebuild the bucket steps when the optimizer's parameters changed since they were built
@@ -623,7 +647,9 @@ class HeteroStrategy(ParallelStrategy):
             self._refresh_replicas()
         if batch_idx % accumulate == 0:
             self._window_has_cpu_share = False
+            self._window_nonfinite = False
         self._window_has_cpu_share |= cpu_share
+        self._skip_step = False
         # CPU workers with no share of this optimizer step keep out of its sum (and step nothing).
         detached = self._cpu_workers > 0 and self._sync_gradients and not self._window_has_cpu_share
         self._detached = detached
@@ -648,13 +674,11 @@ class HeteroStrategy(ParallelStrategy):
                 raise
             if detached and self._overlap is not None:
                 self._stale = True
-            if overlap is not None:
-                with _span(clock, "sync"):
-                    overlap.finish()
-                if clock is not None:
-                    clock.add("optimizer", overlap.step_seconds)
+            report.nonfinite = nonfinite_parts(report.loss, self._worker.fresh_grads)
+            skipped = self._finish_overlap(overlap, report, clock)
             with _span(clock, "wait"):
                 reports = self._finish_step(report)
+        self._judge_nonfinite(reports, batch_idx, skipped)
         self._samples = shares.pipeline_size if self.role.is_stage else report.samples
         combined = combine_loss(reports)
         assert combined is not None
@@ -662,6 +686,49 @@ class HeteroStrategy(ParallelStrategy):
         loss = torch.tensor(value, dtype=dtype, device=self.root_device)
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
         return {"loss": loss, **extras} if extras else loss
+
+    def _finish_overlap(self, overlap: Optional[OverlappedSync], report: WorkerReport, clock: Optional[StepClock]) -> bool:
+        """Fine mode, after the last backward of an optimizer step: wait for the bucket steps and add
+        this rank's own non-finite gradients to its report. Where the buckets step only once every
+        rank knows the global norm, a CPU worker kept out of the step still joins that collective.
+        Whether the buckets were skipped for NaN or Inf (the same on every rank)."""
+        if self._overlap is None or not self._sync_gradients:
+            return False
+        finite = not (report.nonfinite or self._window_nonfinite)
+        if overlap is None:  # a CPU worker kept out of this step
+            if not self._overlap.defers_steps(_clipping(self.lightning_module.trainer)[1]):
+                return False
+            total = self._global_norm([], finite)
+            return self._nonfinite == "skip" and not bool(torch.isfinite(total))
+        with _span(clock, "sync"):
+            overlap.finish(finite)
+        if clock is not None:
+            clock.add("optimizer", overlap.step_seconds)
+        if not overlap.grads_finite and "gradients" not in report.nonfinite:
+            report.nonfinite += ("gradients",)
+        return overlap.skipped
+
+    def _judge_nonfinite(self, reports: list[WorkerReport], batch_idx: int, skipped: bool) -> None:
+        """Apply the non-finite policy to this batch, from what every rank found: every rank sees
+        the same reports (and fine mode's ``skipped`` verdict), so every rank decides the same."""
+        found = {
+            f"{name} (global rank {rank})": report.nonfinite
+            for rank, (name, report) in enumerate(zip(self.device_names, reports))
+            if report.nonfinite
+        }
+        trainer = self.lightning_module.trainer
+        if found and self._nonfinite == "error":
+            stepped = self._overlap is not None and self._sync_gradients
+            raise nonfinite_error(found, trainer.global_step, trainer.current_epoch, batch_idx, stepped)
+        self._window_nonfinite |= bool(found) or skipped
+        self._skip_step = self._sync_gradients and self._window_nonfinite
+        if self._skip_step:
+            self.skipped_steps += 1
+            rank_zero_warn(
+                f"Skipped training step {trainer.global_step} on every rank: NaN or Inf in"
+                f" {describe_nonfinite(found) or 'the summed gradients'} ({self.skipped_steps} skipped so far)."
+            )
+            self.lightning_module.log("hetero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
     def _finish_step(self, report: WorkerReport) -> list[WorkerReport]:
         """Share every rank's report and log the combined values here, so every rank logs the same."""
@@ -683,7 +750,7 @@ class HeteroStrategy(ParallelStrategy):
         if self._worker.fresh_grads is not None:
             add_grads(self._worker.params, self._worker.fresh_grads)
             self._worker.fresh_grads = None
-        if self._sync_gradients and self._overlap is None:
+        if self._sync_gradients and self._overlap is None and not self._skip_step:
             if self._detached:
                 self._stale = True
             if not (self._detached and self.role.is_cpu_worker):
@@ -725,9 +792,14 @@ class HeteroStrategy(ParallelStrategy):
         def timed_closure() -> Any:
             nonlocal after_closure
             try:
-                return closure()
+                result = closure()
             finally:
                 after_closure = time.perf_counter()
+            if self._skip_step:  # decided on every rank alike: nothing to step (torch's optimizers skip `grad=None`)
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+            return result
 
         result = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
         if self._clock is not None:
@@ -782,13 +854,14 @@ class HeteroStrategy(ParallelStrategy):
         if params and self._overlap is None:
             torch.nn.utils.clip_grad_value_(params, clip_val)
 
-    def _global_norm(self, grads: list[Tensor]) -> Tensor:
+    def _global_norm(self, grads: list[Tensor], finite: bool = True) -> Tensor:
         """The norm of all of the model's gradients, from this rank's ``grads``. Every rank joins
         its all-reduce, also one whose stage has no gradients; CPU workers' count for nothing
-        (their replica's gradients equal the stages' after the sum)."""
+        (their replica's gradients equal the stages' after the sum). ``finite=False`` on any rank
+        makes it NaN on every rank."""
         topo = self.topology
         own = grads if self.role.is_stage else None
-        return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control)
+        return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control, finite=finite)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -857,6 +930,21 @@ class HeteroStrategy(ParallelStrategy):
     # -------------------------------------------------------------- checkpoints
 
     @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # Lightning's default, except that a process killed while saving leaves the previous
+        # checkpoint intact (see `files.py`); a CheckpointIO passed in is used as it is.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # only where it wraps none
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
     def _rank_zero_has_everything(self) -> bool:
         return self._cpu_workers > 0
 
@@ -911,9 +999,15 @@ class HeteroStrategy(ParallelStrategy):
         if _distributed_is_initialized():
             exception.add_note(self.describe_rank())
 
+    def rank_name(self, local_rank: int) -> str:
+        """A process of this node, for messages: ``global rank 2 (stage1 of <the layout>)``."""
+        topo = self.topology
+        rank = self.node_rank * topo.procs_per_node + local_rank
+        return f"global rank {rank} ({topo.role(local_rank)} of {topo.describe()})"
+
     def describe_rank(self) -> str:
         """Which process this is, for error messages."""
-        note = f"[hetero] raised on global rank {self.global_rank} ({self.role} of {self.topology.describe()})."
+        note = f"[hetero] raised on {self.rank_name(self.local_rank)}."
         if self.role.is_stage:
             note += " The layers of the other stages exist only on the meta device on this rank."
             if not self.role.is_last_stage:

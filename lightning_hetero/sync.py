@@ -13,18 +13,22 @@ sums and steps bucket by bucket while the backward is still running.
 
 from __future__ import annotations
 
+import math
+import queue
+import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Union
-
-import time
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_hetero.finite import finite_flag
 
 __all__ = [
     "GradientSync",
@@ -176,17 +180,21 @@ def global_grad_norm(
     num_stages: int,
     num_nodes: int = 1,
     group: dist.ProcessGroup | None = None,
+    finite: bool = True,
 ) -> Tensor:
     """The 2-norm of all gradients of the model, identical on every rank.
 
     Each stage rank contributes the squared norm of its own parameters' gradients (CPU workers
     pass ``None``: their replica's gradients equal the stages' after the sync). Summing the
     per-stage partials in a fixed order gives every rank the same value to the last bit, so all
-    copies of a parameter stay identical after clipping.
+    copies of a parameter stay identical after clipping. A rank that passes ``finite=False`` (it
+    found NaN or Inf of its own) makes the norm NaN on every rank.
     """
     partials = torch.zeros(num_stages, dtype=torch.float64)
     if stage_grads:
         partials[stage_index] = torch.nn.utils.get_total_norm(stage_grads, 2.0).double().cpu() ** 2
+    if not finite:
+        partials.fill_(math.nan)
     dist.all_reduce(partials, group=group)
     return (partials / num_nodes).sum().sqrt()
 
@@ -236,29 +244,35 @@ class OverlappedSync:
     complete (a parameter unused in this step) starts when the backward ends, and holds back the
     buckets after it until then.
 
-    Clipping by norm needs every gradient before any step: then the buckets are only summed
-    during the backward, and stepped after it once the global norm is known.
+    Clipping by norm needs every gradient before any step, and so does skipping a step whose
+    gradients are not finite (``skip_nonfinite``; see ``finite.py``): then the buckets are only
+    summed during the backward, and stepped (or dropped, on every rank alike) after it, once the
+    global norm is known. Either way each rank checks its own gradients of every bucket before
+    they are summed (``grads_finite``).
     """
 
     def __init__(
         self,
         entries: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, Any]],
         replica_group: dist.ProcessGroup | None,
-        norm: Callable[[list[Tensor]], Tensor],
+        norm: Callable[[list[Tensor], bool], Tensor],
+        skip_nonfinite: bool = False,
     ) -> None:
         """``entries`` are this rank's buckets in bucket order: (parameters, sync group, step);
-        ``norm`` gives the global gradient norm from this rank's gradients (a collective)."""
+        ``norm(grads, finite)`` gives the global gradient norm from this rank's gradients (a
+        collective), NaN everywhere where any rank passes ``finite=False``."""
         self._params = [list(params) for params, _, _ in entries]
         self._sums = [_FlatBucket(params, group) if group is not None and params else None for params, group, _ in entries]
         self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
         self._steps = [step for _, _, step in entries]
         self._norm = norm
+        self._skip_nonfinite = skip_nonfinite
         devices = {p.device for params in self._params for p in params if p.device.type == "cuda"}
         self._device = next(iter(devices), None)
         # Threads do not inherit the current CUDA device: give them the stage's.
-        init = {"initializer": torch.cuda.set_device, "initargs": (self._device,)} if self._device else {}
-        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-sums", **init)
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-steps", **init)
+        init = partial(torch.cuda.set_device, self._device) if self._device else None
+        self._starter = _DaemonThread("hetero-sums", init)
+        self._stepper = _DaemonThread("hetero-steps", init)
         self._hooks: dict[nn.Parameter, Any] = {}
         self._armed = False
         self.handed_early = 0
@@ -267,11 +281,19 @@ class OverlappedSync:
         """Buckets whose step had finished before the last backward returned."""
         self.step_seconds = 0.0
         """Time the bucket steps of the last optimizer step took (in the step thread, overlapped)."""
+        self.grads_finite = True
+        """Whether this rank's own gradients were finite in the last optimizer step's backward."""
+        self.skipped = False
+        """Whether the last optimizer step was skipped on every rank (``skip_nonfinite``)."""
 
     @property
     def steps(self) -> list[Any]:
         """The step of each of this rank's buckets, in bucket order."""
         return list(self._steps)
+
+    def defers_steps(self, clip_norm: float | None) -> bool:
+        """Whether the buckets step only after the backward, once every rank knows the global norm."""
+        return clip_norm is not None or self._skip_nonfinite
 
     def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
         """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients;
@@ -281,6 +303,7 @@ class OverlappedSync:
                 if p.requires_grad and p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(partial(self._arrived, k))
         self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
+        self._deferred = self.defers_steps(clip_norm)
         self._detached = detached
         self._counts: dict[nn.Parameter, int] = {}
         self._missing = [sum(p.requires_grad for p in params) for params in self._params]
@@ -288,12 +311,17 @@ class OverlappedSync:
         self._done: list[Future] = []
         self._backward_over = False
         self._stepped_in_backward = 0
+        self._finite: list[Tensor] = []
         self.step_seconds = 0.0
+        self.skipped = False
         self._armed = True
         self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
 
-    def finish(self) -> None:
-        """Start the buckets still waiting, wait for all of them, and (when clipping by norm) step."""
+    def finish(self, finite: bool = True) -> None:
+        """Start the buckets still waiting and wait for all of them. Where the steps wait for the
+        global norm (``defers_steps``), learn it with every rank, then step every bucket, or drop
+        their gradients where it is not finite and ``skip_nonfinite``. ``finite``: whether the rest
+        of this rank's step (its loss) was finite."""
         self._armed = False
         self._backward_over = True
         self.handed_early = self._next
@@ -301,12 +329,19 @@ class OverlappedSync:
         for done in self._done:
             done.result()
         self.stepped_early = self._stepped_in_backward
-        if self._clip_norm is not None:
+        self.grads_finite = bool(torch.stack(self._finite).all()) if self._finite else True
+        if self._deferred:
             start = time.perf_counter()
             holders = [h for step in self._steps for h in step.grad_holders() if h.grad is not None]
-            clip_to_norm(holders, self._clip_norm, self._norm([h.grad for h in holders]))
+            total = self._norm([h.grad for h in holders], finite and self.grads_finite)
+            self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
+            if self._clip_norm is not None and not self.skipped:
+                clip_to_norm(holders, self._clip_norm, total)
             for step in self._steps:
-                step.step()
+                if self.skipped:
+                    step.skip()
+                else:
+                    self._clip_by_value_and_step(step)
             self.step_seconds += time.perf_counter() - start
         for step in self._steps:
             step.after_all_steps()
@@ -322,8 +357,8 @@ class OverlappedSync:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
-        self._starter.shutdown(wait=False, cancel_futures=True)
-        self._stepper.shutdown(wait=False, cancel_futures=True)
+        self._starter.shutdown()
+        self._stepper.shutdown()
 
     def _arrived(self, k: int, param: nn.Parameter) -> None:
         if not self._armed:
@@ -344,7 +379,7 @@ class OverlappedSync:
         """Start the next buckets in order, as long as they are complete (or all of them)."""
         while self._next < len(self._steps) and (everything or self._missing[self._next] == 0):
             k, ready = self._next, None
-            if self._device is not None and self._sums[k] is not None and not self._detached:
+            if self._device is not None:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self._device))
             started = self._starter.submit(self._start_sum, k, ready)
@@ -352,6 +387,7 @@ class OverlappedSync:
             self._next += 1
 
     def _start_sum(self, k: int, ready: Any) -> Any:
+        self._check_finite(k, ready)
         flat = self._sums[k]
         if flat is None or self._detached:
             return None
@@ -367,17 +403,69 @@ class OverlappedSync:
             nodes = self._nodes[k]
             dist.all_reduce(nodes.pack(), group=nodes.group)
             nodes.unpack(step.gradient_destination)
-        if self._clip_norm is not None:
+        if self._deferred:
             return
         start = time.perf_counter()
+        self._clip_by_value_and_step(step)
+        self.step_seconds += time.perf_counter() - start
+        if not self._backward_over:
+            self._stepped_in_backward += 1
+
+    def _check_finite(self, k: int, ready: Any) -> None:
+        """Note whether this rank's own gradients of bucket ``k`` are finite, before anyone's are
+        added (``ready``: the CUDA event after which they are final)."""
+        grads = [p.grad for p in self._params[k] if p.grad is not None]
+        if not grads:
+            return
+        if ready is not None:
+            torch.cuda.current_stream(self._device).wait_event(ready)
+        self._finite.append(finite_flag(grads))
+
+    def _clip_by_value_and_step(self, step: Any) -> None:
         if self._clip_value is not None:
             holders = [h for h in step.grad_holders() if h.grad is not None]
             if holders:
                 torch.nn.utils.clip_grad_value_(holders, self._clip_value)
         step.step()
-        self.step_seconds += time.perf_counter() - start
-        if not self._backward_over:
-            self._stepped_in_backward += 1
+
+
+class _DaemonThread:
+    """One thread that runs the calls given to ``submit`` in order, like a ``ThreadPoolExecutor``
+    of one worker, except that the thread is a daemon: its calls wait in collectives for other
+    ranks, and an executor's threads are joined when the process exits, so a rank that failed
+    while a sum was in flight would stay alive until a peer answered or the timeout ran out."""
+
+    def __init__(self, name: str, initializer: Optional[Callable[[], Any]] = None) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started yet and end the thread after the running one."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+
+    def _run(self, initializer: Optional[Callable[[], Any]]) -> None:
+        if initializer is not None:
+            initializer()
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:
+                future.set_exception(error)
 
 
 def clip_to_norm(params: Sequence[Tensor], max_norm: float, total: Tensor) -> None:

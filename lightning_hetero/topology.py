@@ -7,6 +7,7 @@ holds a full replica of the model. Several nodes are data-parallel replicas of e
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ __all__ = [
     "resolve_stage_devices",
     "build_process_groups",
     "threads_for",
+    "restart_store",
 ]
 
 StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
@@ -251,3 +253,20 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
             if global_rank in ranks:
                 replica = group
     return ProcessGroups(control=control, node=node_group, stage=stage_group, sync=sync, replica=replica)
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """The store a process restarted by torchrun (``--max-restarts``) must rendezvous in: the
+    agent's store, under a prefix of this attempt's own; ``None`` where torch's default is right.
+
+    torch 2.13 hands the workers the rendezvous's store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps
+    it across restarts without separating the attempts, so a restarted rank can read the address a
+    rank of the failed attempt published, and fail to connect to it (pytorch/pytorch#135712; the
+    other way round it is ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Every node's agent restarts
+    its workers in the same rendezvous round, so the restart count names the attempt everywhere.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/hetero/attempt_{attempt}", store)

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
+from lightning_hetero.files import atomic_write
+
 __all__ = ["stdlib_corpus", "load_text", "tokenize", "TokenWindows", "unigram_loss"]
 
 
@@ -73,12 +75,10 @@ def tokenize(text: str, vocab_size: int, cache_dir: str | Path) -> tuple[torch.T
     )
     tokenizer.train_from_iterator(_batches(text), trainer=trainer, length=math.ceil(len(text) / (1 << 16)))
     ids = torch.tensor([i for chunk in _batches(text) for i in tokenizer.encode(chunk).ids], dtype=torch.int32)
-    cache.mkdir(parents=True, exist_ok=True)
-    partial = cache / f".{key}.partial"
-    tokenizer.save(str(partial))
-    partial.replace(tokenizer_path)
-    torch.save(ids, partial)
-    partial.replace(ids_path)  # written whole, then renamed: never half a cache
+    with atomic_write(tokenizer_path, "w") as f:  # never half a cache
+        f.write(tokenizer.to_str())
+    with atomic_write(ids_path) as f:
+        torch.save(ids, f)
     return ids, tokenizer.get_vocab_size()
 
 

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import pytest
@@ -90,3 +92,30 @@ def assert_copies_identical(out_dir: Path) -> None:
                 if name in seen:
                     assert torch.equal(seen[name], value), f"copies of {name} differ after batch {step}"
                 seen[name] = value
+
+
+class Fault(L.Callback):
+    """Makes global rank ``rank`` fail in the middle of training step ``step`` (fault-injection tests):
+    in the forward of the first layer with parameters it holds, the process kills itself with
+    SIGKILL (``how="kill"``), raises ``RuntimeError("injected fault")`` (``"raise"``), or hangs
+    (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only."""
+
+    def __init__(self, rank: int, step: int, how: Literal["kill", "raise", "hang"], once: Path | None = None) -> None:
+        self.rank, self.step, self.how, self.once = rank, step, how, once
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.once is not None and self.once.exists():
+            return
+        held = [m for m in pl_module.pipeline_layers() if any(not p.is_meta for p in m.parameters())]
+        held[0].register_forward_hook(self._fail)
+
+    def _fail(self, *args: Any) -> None:
+        if self.once is not None:
+            self.once.touch()
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "hang":
+            signal.pause()  # woken only by a signal: the launcher's kill
+        raise RuntimeError("injected fault")

@@ -4,6 +4,7 @@ Run by tests/test_launchers.py under torchrun, under a simulated SLURM srun, and
 strategy's own "popen" launch (which runs this script again for every other rank). Usage:
 
     python tests/external_launch.py OUT_DIR [--popen | --string] [--unseeded] [--num-nodes N] [--fine]
+        [--fault RANK:STEP:HOW] [--resume CKPT_DIR]
 
 Rank 0 writes OUT_DIR/state.pt (the trained weights) and OUT_DIR/environment.txt; every rank
 writes OUT_DIR/rank{N}.pt with the parameters it holds. `--unseeded` builds the model without a
@@ -11,18 +12,36 @@ seed, so every process starts from different weights unless the strategy aligns 
 `--string` uses plain `Trainer(strategy="hetero")` with all its defaults. With `--num-nodes 2`
 (under torchrun) it trains 6 steps on 48 samples, then predicts 25 samples and rank 0 writes
 how many it got to OUT_DIR/predicted.txt. After fit, every run also validates and predicts.
+Every rank writes its process id to OUT_DIR/pid{N}.txt when it starts.
+
+`--fault 2:6:kill` makes global rank 2 kill itself in training step 6 (`tests.conftest.Fault`;
+"raise" raises), on the first attempt only (a marker file in OUT_DIR). `--resume DIR` checkpoints
+into DIR at every epoch's last batch (4 steps) with `save_last=True` and fits with `ckpt_path="last"`: a restarted
+run (torchrun's `--max-restarts`) continues from the last checkpoint; rank 0 writes torchrun's
+restart count to OUT_DIR/restarts.txt.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import hetero, trainer  # noqa: E402
+from tests.conftest import Fault, hetero, trainer  # noqa: E402
 from tests.models import Net, regression_data  # noqa: E402
+
+
+class WritePid(L.Callback):
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        (self.out_dir / f"pid{trainer.global_rank}.txt").write_text(str(os.getpid()))
 
 
 def main() -> None:
@@ -33,13 +52,30 @@ def main() -> None:
     parser.add_argument("--unseeded", action="store_true")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--fine", action="store_true", help="fine mode, the last layers' bucket offloaded")
+    parser.add_argument("--fault", help="RANK:STEP:HOW, e.g. 2:6:kill")
+    parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     args = parser.parse_args()
-    model = Net(seed=None if args.unseeded else 0)
+    # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
+    model = Net(seed=None if args.unseeded else 0).to(torch.float64 if args.resume else torch.float32)
     layout = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
     start_method = "popen" if args.popen else "fork"
     strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method=start_method, **layout)
-    t = trainer(strategy, max_steps=8 if args.num_nodes == 1 else 6, num_nodes=args.num_nodes)
-    t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48))
+    callbacks: list = [WritePid(args.out_dir)]
+    if args.fault:
+        rank, step, how = args.fault.split(":")
+        callbacks.append(Fault(int(rank), int(step), how, once=args.out_dir / "fault.done"))
+    if args.resume:
+        callbacks.append(ModelCheckpoint(dirpath=args.resume, filename="{step}", every_n_train_steps=4, save_last=True))
+    t = trainer(
+        strategy,
+        max_steps=8 if args.num_nodes == 1 else 6,
+        num_nodes=args.num_nodes,
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.resume),
+    )
+    t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48), ckpt_path="last" if args.resume else None)
+    if args.resume and t.global_rank == 0:
+        (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     held = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
     t.validate(model, regression_data(n=20, seed=3), verbose=False)
     predicted = t.predict(model, regression_data(n=25, batch_size=6, seed=4))

@@ -79,6 +79,13 @@ def test_trainer_features_match(tmp_path: Path, trainer_kwargs: dict, optimizer:
     assert max_param_diff(reference, model) < TOL
 
 
+def test_clipping_by_norm_with_the_cpu_worker_kept_out() -> None:
+    """At fraction 0 the CPU worker sits out the sum, but it joins the global norm the stages need
+    before they step (it once waited elsewhere, and the run hung until the timeout)."""
+    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    assert max_param_diff(fit(None, "sgd", **clip), fit(fine(cpu_fraction=0.0), "sgd", **clip)) < TOL
+
+
 def test_pipeline_only_with_everything_offloaded(plain: Net) -> None:
     assert max_param_diff(plain, fit(fine(stages=["cpu"] * 3, cpu_workers=0, offload="all"))) < TOL
 

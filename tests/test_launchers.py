@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,16 @@ def slurm_tasks(args: list[str], tasks: int = 3, cwd: Path | None = None, timeou
     return [process.wait(timeout=timeout) for process in processes]
 
 
-def torchrun_nodes(args: list[str], nodes: int = 2, per_node: int = 3, cwd: Path | None = None, timeout: int = 240) -> list[int]:
-    """Run ``torchrun ... *args`` as ``nodes`` nodes on this machine; their exit codes."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+def torchrun_nodes(
+    args: list[str],
+    nodes: int = 2,
+    per_node: int = 3,
+    cwd: Path | None = None,
+    timeout: int = 240,
+    flags: Sequence[str] = (),
+) -> list[int]:
+    """Run ``torchrun [flags] ... *args`` as ``nodes`` nodes on this machine; their exit codes."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *flags, f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
     torchrun += ["--master-addr=127.0.0.1", f"--master-port={find_free_network_port()}"]
     processes = [
         subprocess.Popen([*torchrun, f"--node-rank={n}", *args], env=clean_env(), cwd=cwd) for n in range(nodes)

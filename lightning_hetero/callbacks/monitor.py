@@ -24,7 +24,6 @@ log directory; open it in Perfetto or chrome://tracing).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_hetero.devices import device_stats
+from lightning_hetero.files import atomic_write
 from lightning_hetero.record import StepRecord
 from lightning_hetero.strategy import hetero_strategy
 
@@ -288,12 +288,10 @@ class UtilizationMonitor(L.Callback):
         if not trainer.is_global_zero:
             return
         with _warn_on_error("write the trace"):
-            directory.mkdir(parents=True, exist_ok=True)
             path = directory / "trace.json"
             trace = chrome_trace([r for r, _ in gathered], strategy.device_names, [o for _, o in gathered])
-            partial = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-            partial.write_text(json.dumps(trace))
-            partial.replace(path)  # never a half-written trace
+            with atomic_write(path, "w") as f:  # never a half-written trace
+                f.write(json.dumps(trace))
             self.trace_path = path
 
 

@@ -1,0 +1,154 @@
+"""A failure on any rank (killed, an exception, a hang, killed while saving) ends every rank
+promptly with an error that names the rank, its role and the cause; no process is left; the last
+complete checkpoint loads, and a run resumed from it trains the model an uninterrupted run trains."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.multiprocessing.spawn import ProcessException
+
+from lightning_hetero import files
+from lightning_hetero.launcher import GRACE_S
+from tests.conftest import Fault, hetero, max_param_diff, trainer
+from tests.models import Net, regression_data
+from tests.test_launchers import SCRIPT, clean_env, torchrun_nodes
+
+TOL = 1e-10
+TIMEOUT_S = 20
+"""The collective timeout of these runs: a failure must end them well within it."""
+PROMPT_S = TIMEOUT_S / 2
+"""What a failed run may take in all (start, steps, the launcher's grace), where no collective has to time out."""
+LAYOUT = "1 CPU worker(s) + 2 stage(s) [cpu, cpu] x 1 node(s)"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    model = Net().double()
+    trainer(None, max_steps=8).fit(model, regression_data())
+    return model.state_dict()
+
+
+def fit(ckpt_dir: Path, mode: str = "coarse", fault: Fault | None = None, timeout: float = TIMEOUT_S, resume: bool = False) -> Net:
+    """8 steps (2 epochs of 4 batches), a checkpoint after each epoch's last batch, and `last.ckpt`.
+    (Lightning resumes exactly from a checkpoint written there; from one written mid-epoch, or in
+    `on_train_epoch_end`, even a plain Trainer does not continue exactly with a loader that cannot resume.)"""
+    model = Net().double()  # float64 before a checkpoint loads into it (see test_checkpoint.py)
+    checkpoints = ModelCheckpoint(
+        dirpath=ckpt_dir, filename="{step}", every_n_train_steps=4, save_top_k=-1, save_last=True
+    )
+    callbacks = [checkpoints] + ([fault] if fault else [])
+    strategy = hetero(mode=mode, cpu_fraction=0.5, timeout=timeout)
+    t = trainer(strategy, max_steps=8, callbacks=callbacks, enable_checkpointing=True)
+    t.fit(model, regression_data(), ckpt_path="last" if resume else None)
+    return model
+
+
+def failed_run(ckpt_dir: Path, **kwargs: Any) -> tuple[str, float]:
+    """Run ``fit`` that must fail; the error's text with its notes, and the seconds it took."""
+    start = time.monotonic()
+    with pytest.raises(ProcessException) as error:
+        fit(ckpt_dir, **kwargs)
+    elapsed = time.monotonic() - start
+    assert psutil.Process().children(recursive=True) == [], "a worker process was left running"
+    return "\n".join([str(error.value), *getattr(error.value, "__notes__", [])]), elapsed
+
+
+def assert_resumes_exactly(ckpt_dir: Path, reference: dict, at_step: int, mode: str = "coarse") -> None:
+    last = torch.load(ckpt_dir / "last.ckpt", weights_only=False)
+    assert last["global_step"] == at_step
+    assert max_param_diff(reference, fit(ckpt_dir, mode=mode, resume=True)) < TOL
+
+
+@pytest.mark.parametrize(
+    "rank,how,mode,cause",
+    [
+        (0, "kill", "coarse", "was killed by SIGKILL"),
+        (1, "kill", "fine", "was killed by SIGKILL"),
+        (2, "raise", "coarse", "RuntimeError: injected fault"),
+        (0, "raise", "fine", "RuntimeError: injected fault"),
+    ],
+    ids=["cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine"],
+)
+def test_a_failed_rank_ends_the_run_promptly_and_the_run_resumes_exactly(
+    tmp_path: Path, reference: dict, rank: int, how: str, mode: str, cause: str
+) -> None:
+    text, elapsed = failed_run(tmp_path, mode=mode, fault=Fault(rank, step=6, how=how))  # in the second epoch
+    assert elapsed < PROMPT_S
+    role = ["cpu0", "stage0", "stage1"][rank]
+    assert f"global rank {rank} ({role} of {LAYOUT})" in text
+    assert cause in text
+    assert_resumes_exactly(tmp_path, reference, at_step=4, mode=mode)
+
+
+def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path: Path) -> None:
+    """A rank that stops taking part without failing: its peers' collectives give up after the
+    timeout, and the launcher kills it and names it."""
+    text, elapsed = failed_run(tmp_path, fault=Fault(2, step=6, how="hang"), timeout=3)
+    assert elapsed < 3 + GRACE_S + PROMPT_S
+    assert re.search(r"Timed out waiting 3000ms", text)
+    assert f"and killed: global rank 2 (stage1 of {LAYOUT})" in text
+
+
+def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_intact(
+    tmp_path: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 is killed after writing half of the step-8 checkpoint: the step-4 checkpoint and
+    `last.ckpt` are untouched, no file carries the step-8 checkpoint's name, and resuming works."""
+    save = torch.save
+
+    def killed_halfway(obj: Any, f: Any) -> None:
+        if isinstance(obj, dict) and obj.get("global_step") == 8:
+            whole = io.BytesIO()
+            save(obj, whole)
+            f.write(whole.getvalue()[: whole.tell() // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(obj, f)
+
+    monkeypatch.setattr(files.torch, "save", killed_halfway)  # inherited by the forked workers
+    text, elapsed = failed_run(tmp_path)
+    assert elapsed < PROMPT_S
+    assert f"global rank 0 (cpu0 of {LAYOUT}) was killed by SIGKILL" in text
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step=4.ckpt"]
+    assert len(list(tmp_path.glob(f".step=8.ckpt.*{files.PARTIAL_SUFFIX}"))) == 1  # what the kill left
+    monkeypatch.undo()
+    assert_resumes_exactly(tmp_path, reference, at_step=4)
+
+
+def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
+    """popen: rank 0 is the main process; it stops the other ranks' processes and names the one that died."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--fault", "2:6:kill"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode != 0
+    assert f"[hetero] global rank 2 (stage1 of {LAYOUT}) was killed by SIGKILL" in run.stderr
+    pids = [int((tmp_path / f"pid{r}.txt").read_text()) for r in range(3)]
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+    assert time.monotonic() - start < 120  # three interpreters start on one core; no collective timed out
+
+
+def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path: Path, reference: dict) -> None:
+    """`ModelCheckpoint(save_last=True)` and `fit(ckpt_path="last")`: a stage killed in step 6 of the
+    first attempt, torchrun restarts every process, and the run continues from step 4 to the same model."""
+    script = [str(SCRIPT), str(tmp_path), "--fault", "2:6:kill", "--resume", str(tmp_path / "ckpt")]
+    assert torchrun_nodes(script, nodes=1, flags=["--max-restarts=1"]) == [0]
+    assert (tmp_path / "fault.done").exists() and (tmp_path / "restarts.txt").read_text() == "1"
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
