@@ -493,9 +493,9 @@ class HeteroStrategy(ParallelStrategy):
         except dist.DistError as error:
             error.add_note(
                 f"[hetero] On {self.rank_name(self.local_rank)}: not all {expected} processes of the layout joined"
-                f" within the timeout ({self._timeout.total_seconds():g} s). With `num_nodes={self.num_nodes}`, start the same"
-                " command on every node: torchrun or srun on each, or, with the strategy's own launch, the script"
-                " with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT` set."
+                f" within the timeout ({self._timeout.total_seconds():g} s). With `num_nodes={self.num_nodes}`,"
+                " start the same command on every node: torchrun or srun on each, or, with the strategy's own"
+                " launch, the script with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT` set."
             )
             raise
         # A process that exits with gloo groups alive can abort in interpreter finalization
@@ -694,7 +694,9 @@ class HeteroStrategy(ParallelStrategy):
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
         return {"loss": loss, **extras} if extras else loss
 
-    def _finish_overlap(self, overlap: Optional[OverlappedSync], report: WorkerReport, clock: Optional[StepClock]) -> bool:
+    def _finish_overlap(
+        self, overlap: Optional[OverlappedSync], report: WorkerReport, clock: Optional[StepClock]
+    ) -> bool:
         """Fine mode, after the last backward of an optimizer step: wait for the bucket steps and add
         this rank's own non-finite gradients to its report. Where the buckets step only once every
         rank knows the global norm, a CPU worker kept out of the step still joins that collective.
@@ -867,7 +869,9 @@ class HeteroStrategy(ParallelStrategy):
         makes it NaN on every rank."""
         topo = self.topology
         own = grads if self.role.is_stage else None
-        return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control, finite=finite)
+        return global_grad_norm(
+            own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control, finite=finite
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
