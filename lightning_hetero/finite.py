@@ -34,7 +34,9 @@ NonfinitePolicy = Literal["error", "skip"]
 
 def check_policy(policy: object) -> NonfinitePolicy:
     if policy not in ("error", "skip"):
-        raise ValueError(f"`nonfinite={policy!r}` must be 'error' (end the run) or 'skip' (skip the step on every rank).")
+        raise ValueError(
+            f"`nonfinite={policy!r}` must be 'error' (end the run) or 'skip' (skip the step on every rank)."
+        )
     return policy  # type: ignore[return-value]
 
 
@@ -61,7 +63,9 @@ def describe_nonfinite(found: Mapping[str, Sequence[str]]) -> str:
     return "; ".join(f"{' and '.join(parts)} on {worker}" for worker, parts in found.items())
 
 
-def nonfinite_error(found: Mapping[str, Sequence[str]], step: int, epoch: int, batch_idx: int, stepped: bool) -> FloatingPointError:
+def nonfinite_error(
+    found: Mapping[str, Sequence[str]], step: int, epoch: int, batch_idx: int, stepped: bool
+) -> FloatingPointError:
     """The error every rank raises under the ``"error"`` policy (``found``: see ``describe_nonfinite``)."""
     message = (
         f"Non-finite values (NaN or Inf) in training step {step} (epoch {epoch}, batch {batch_idx}):"

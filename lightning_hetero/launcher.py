@@ -269,7 +269,7 @@ class _ChildWatch:
     def failures(self) -> list[str]:
         """A line for each process that failed by itself (signals first: those are causes, not
         consequences), and one naming those it had to kill."""
-        failed = [(rank, p.returncode) for rank, p in enumerate(self._procs, 1) if p.returncode and p not in self._killed]
+        failed = [(r, p.returncode) for r, p in enumerate(self._procs, 1) if p.returncode and p not in self._killed]
         failed.sort(key=lambda item: item[1] >= 0)
         notes = [
             f"[hetero] {self._strategy.rank_name(rank)} {describe_exit(code)}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -108,6 +109,16 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
         raise ValueError(
             f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
             " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
+        )
+    step = getattr(model, "training_step", None)
+    if callable(step) and (
+        is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
+        or not is_param_in_hook_signature(step, "batch_idx", min_args=2)
+    ):
+        raise TypeError(
+            f"`{name}.training_step` must take `(batch, batch_idx)`: the strategy divides each batch between its"
+            " workers and counts batches for gradient accumulation, so a step that takes a `dataloader_iter`, or"
+            " no `batch_idx`, cannot run."
         )
     layers = model.pipeline_layers()
     if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)):

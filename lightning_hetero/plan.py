@@ -127,11 +127,11 @@ class HeteroPlan:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> HeteroPlan:
-        """Read a plan from YAML; unknown keys, wrong types and impossible values are errors."""
+        """Read a plan from YAML; unknown keys, wrong types and impossible values are errors that name the file."""
         try:
             config = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.load(path))
             return OmegaConf.to_object(config)  # type: ignore[return-value]
-        except OmegaConfBaseException as error:
+        except (OmegaConfBaseException, ValueError) as error:
             raise ValueError(f"Plan file {path}: {error}") from None
 
     def as_dict(self) -> dict[str, Any]:

@@ -167,7 +167,7 @@ class HeteroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         if plan is not None:
-            plan = plan if isinstance(plan, HeteroPlan) else HeteroPlan.load(plan)
+            plan = _usable_plan(plan)
             given = {
                 name: value
                 for name, value, default in (
@@ -484,12 +484,21 @@ class HeteroStrategy(ParallelStrategy):
                 f" --nproc-per-node={self.num_processes}`)."
             )
         store = restart_store(self._timeout)
-        _init_dist_connection(
-            self.cluster_environment,
-            world_backend(self.topology),
-            timeout=self._timeout,
-            **({"store": store} if store is not None else {}),
-        )
+        try:
+            _init_dist_connection(
+                self.cluster_environment,
+                world_backend(self.topology),
+                timeout=self._timeout,
+                **({"store": store} if store is not None else {}),
+            )
+        except dist.DistError as error:
+            error.add_note(
+                f"[hetero] On {self.rank_name(self.local_rank)}: not all {expected} processes of the layout joined"
+                f" within the timeout ({self._timeout.total_seconds():g} s). With `num_nodes={self.num_nodes}`,"
+                " start the same command on every node: torchrun or srun on each, or, with the strategy's own"
+                " launch, the script with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT` set."
+            )
+            raise
         # A process that exits with gloo groups alive can abort in interpreter finalization
         # ("terminate called without an active exception"); take them down while Python is whole.
         atexit.unregister(_destroy_process_groups)
@@ -687,7 +696,9 @@ class HeteroStrategy(ParallelStrategy):
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
         return {"loss": loss, **extras} if extras else loss
 
-    def _finish_overlap(self, overlap: Optional[OverlappedSync], report: WorkerReport, clock: Optional[StepClock]) -> bool:
+    def _finish_overlap(
+        self, overlap: Optional[OverlappedSync], report: WorkerReport, clock: Optional[StepClock]
+    ) -> bool:
         """Fine mode, after the last backward of an optimizer step: wait for the bucket steps and add
         this rank's own non-finite gradients to its report. Where the buckets step only once every
         rank knows the global norm, a CPU worker kept out of the step still joins that collective.
@@ -861,7 +872,9 @@ class HeteroStrategy(ParallelStrategy):
         makes it NaN on every rank."""
         topo = self.topology
         own = grads if self.role.is_stage else None
-        return global_grad_norm(own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control, finite=finite)
+        return global_grad_norm(
+            own, self.role.index, topo.num_stages, topo.num_nodes, group=self._control, finite=finite
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -1064,18 +1077,25 @@ def _check_emulated_speed(speed: Optional[Mapping[str, float]]) -> dict[str, flo
     return {key: float(value) for key, value in speed.items()}
 
 
+def _usable_plan(plan: Union[HeteroPlan, str, Path]) -> HeteroPlan:
+    """The plan (loaded from its file), after checking that its devices exist on this machine."""
+    loaded = plan if isinstance(plan, HeteroPlan) else HeteroPlan.load(plan)
+    try:
+        resolve_stage_devices(loaded.stages)
+    except ValueError as error:
+        source = "The plan" if isinstance(plan, HeteroPlan) else f"Plan file {plan}"
+        raise ValueError(f"{source} cannot run on this machine: {error}") from None
+    return loaded
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}={value!r}` must be an integer >= {minimum}.")
 
 
 def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """``training_step``'s batch and batch index (the model contract requires both)."""
     values = list(args) + list(kwargs.values())
-    if len(values) < 2 or not isinstance(values[1], int):
-        raise TypeError(
-            "The hetero strategy needs `training_step(self, batch, batch_idx)`; a `dataloader_iter` step is not"
-            " supported."
-        )
     return values[0], values[1]
 
 

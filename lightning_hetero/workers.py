@@ -36,14 +36,29 @@ GradPolicy = Literal["keep", "drop", "accumulate"]
 
 
 def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch: the first dimension of its first tensor."""
+    """The number of samples in a batch: the first dimension of its tensors, which must agree, since
+    every tensor of a batch is divided between the workers along it (``slice_batch``)."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise TypeError(f"Cannot tell the batch size of a {type(batch).__name__}; batches must hold tensors.")
+    if any(t.dim() == 0 for t in tensors) or len({t.shape[0] for t in tensors}) > 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError(
+            "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
+            f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
+            f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers)."
+        )
+    return tensors[0].shape[0]
+
+
+def _tensors(batch: Any) -> list[Tensor]:
     if isinstance(batch, Tensor):
-        return batch.shape[0]
+        return [batch]
     if isinstance(batch, Mapping):
-        return batch_size_of(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)) and batch:
-        return batch_size_of(batch[0])
-    raise TypeError(f"Cannot tell the batch size of a {type(batch).__name__}; batches must hold tensors.")
+        return [t for value in batch.values() for t in _tensors(value)]
+    if isinstance(batch, (tuple, list)):
+        return [t for value in batch for t in _tensors(value)]
+    return []
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:

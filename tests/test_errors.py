@@ -1,18 +1,25 @@
-"""Bad input gets a clear error, raised before any process starts."""
+"""Bad input gets its own clear error. What the main process can judge (the model, the strategy's
+arguments, plan files, the Trainer's flags) is refused before any process starts; what only the
+processes see (the data, the optimizers `setup` builds) ends the run at the first step, naming the
+rank. Either way no process is left running."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning as L
+import psutil
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
-from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hetero import HeteroStrategy, PipelineModule
+from lightning_hetero import HeteroPlan, HeteroStrategy, PipelineModule
 from tests.conftest import hetero, trainer
 from tests.models import Net, regression_data
 
@@ -61,67 +68,9 @@ class Variant(Net):
         return super().pipeline_layers()
 
 
-def fit(model: L.LightningModule, strategy: Any = None, **kwargs: Any) -> None:
-    trainer(strategy or hetero(), max_steps=1, **kwargs).fit(model, regression_data())
-
-
-@pytest.mark.parametrize(
-    "model,message",
-    [
-        (NoContract(), "does not follow the hetero model contract: it has no `pipeline_layers()`"),
-        (NoLoss(), "it has no `pipeline_loss()`"),
-        (Variant("foreign"), "is not a submodule of the model"),
-        (Variant("orphan"), "trainable parameters outside `pipeline_layers()`: extra"),
-        (Variant("tied"), "share a parameter (weight tying)"),
-        (Variant("batchnorm"), "contains BatchNorm1d with running statistics"),
-        (Variant("manual"), "uses manual optimization"),
-    ],
-    ids=["no-layers", "no-loss", "foreign-layer", "orphan-parameter", "tied", "batchnorm", "manual"],
-)
-def test_model_contract(no_processes: None, model: L.LightningModule, message: str) -> None:
-    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
-        fit(model)
-
-
-def test_more_stages_than_layers(no_processes: None) -> None:
-    with pytest.raises(ValueError, match=re.escape("Cannot cut 6 layer(s) into 7 pipeline stages")):
-        fit(Net(), hetero(stages=["cpu"] * 7))
-
-
-@pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        ({"cpu_fraction": 1.5}, "`cpu_fraction=1.5` must be 'auto' or a number between 0 and 1"),
-        ({"cpu_fraction": -0.1}, "`cpu_fraction=-0.1` must be 'auto' or a number between 0 and 1"),
-        ({"cpu_fraction": "half"}, "`cpu_fraction='half'` must be 'auto' or a number between 0 and 1"),
-        ({"cpu_fraction": 0.5, "cpu_workers": 0}, "`cpu_workers=0` starts no CPU worker"),
-        ({"stages": ["cuda:0"]}, "is a GPU, but CUDA is not available on this machine"),
-        ({"stages": ["cpu", "tpu"]}, "Stage device 'tpu' is not a device name"),
-        ({"stages": ["mps"]}, "Stage device 'mps' is not supported"),
-        ({"stages": 0}, "a hetero run needs at least one pipeline stage"),
-        ({"stages": "many"}, "`stages='many'` is not understood"),
-        ({"schedule": "Foo"}, "Unknown schedule name 'Foo'"),
-        ({"schedule": "Interleaved1F1B"}, "runs several stages per rank"),
-        ({"schedule": "1F1B", "stages": ["cpu"] * 3, "micro_batches": 2}, "needs at least as many micro-batches"),
-        ({"micro_batches": 0}, "`micro_batches=0` must be an integer >= 1"),
-        ({"cpu_workers": -1}, "`cpu_workers=-1` must be an integer >= 0"),
-        ({"mode": "medium"}, "`mode='medium'` is not a hetero mode"),
-    ],
-)
-def test_strategy_arguments(no_processes: None, kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        HeteroStrategy(**kwargs)
-
-
-def test_unsupported_precision(no_processes: None) -> None:
-    with pytest.raises(ValueError, match="float16 mixed precision needs a loss scale agreed between all workers"):
-        L.Trainer(strategy="hetero", precision="16-mixed", accelerator="hetero")
-
-
-def test_batches_must_be_inputs_and_targets() -> None:
-    loader = DataLoader(TensorDataset(torch.randn(12, 6), torch.randn(12, 3), torch.randn(12)), batch_size=4)
-    with pytest.raises(ProcessRaisedException, match=re.escape("expects every batch to be a pair `(inputs, targets)`")):
-        trainer(hetero(cpu_fraction=0.0), max_steps=1).fit(Net(), loader)
+class IterStep(Net):
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().training_step(next(dataloader_iter), 0)
 
 
 class ExtraLoss(Net):
@@ -136,23 +85,146 @@ class WithLBFGS(Net):
         return torch.optim.LBFGS(self.parameters())
 
 
-@pytest.mark.parametrize(
-    "model,message",
-    [
-        (ExtraLoss(), "`training_step` must return exactly that loss"),
-        (WithLBFGS(), "LBFGS re-evaluates the loss inside `optimizer.step`"),
-    ],
-    ids=["loss-other-than-pipeline_loss", "lbfgs"],
-)
-def test_errors_inside_the_run_end_it_with_the_cause_and_the_rank(model: L.LightningModule, message: str) -> None:
-    with pytest.raises(ProcessRaisedException, match=re.escape(message)) as error:
-        fit(model, hetero(cpu_fraction=0.5))
-    assert "[hetero] raised on global rank" in str(error.value)
-    if isinstance(model, ExtraLoss):  # found by the last stage: global rank 2 of 1 CPU worker + 2 stages
-        assert "raised on global rank 2 (stage1" in str(error.value)
+def fit(
+    model: Optional[L.LightningModule] = None, strategy: Any = None, data: Any = None, val: Any = None, **kwargs: Any
+) -> None:
+    strategy = strategy or hetero(cpu_fraction=0.5)
+    trainer(strategy, max_steps=1, **kwargs).fit(model or Net(), data if data is not None else regression_data(), val)
 
 
-def test_shuffled_evaluation_data_is_an_error() -> None:
-    val = DataLoader(regression_data().dataset, batch_size=4, shuffle=True)
-    with pytest.raises(ProcessRaisedException, match=re.escape("The val dataloader shuffles with the global random")):
-        trainer(hetero(), max_steps=1).fit(Net(), regression_data(), val)
+def plan_file(directory: Path, **changes: Any) -> Path:
+    """A plan's YAML file for `Net` on three stages, with ``changes`` written over it."""
+    plan = HeteroPlan(stages=["cpu"] * 3, boundaries=[2, 4], micro_batches=3, cpu_fraction=0.25)
+    path = directory / "plan.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.merge(OmegaConf.create(plan.to_yaml()), changes)))
+    return path
+
+
+def from_plan(directory: Path, **changes: Any) -> HeteroStrategy:
+    return HeteroStrategy(plan=plan_file(directory, **changes), start_method="fork", timeout=20)
+
+
+def loader(x: torch.Tensor, *rest: torch.Tensor, **kwargs: Any) -> DataLoader:
+    return DataLoader(TensorDataset(x, *rest), batch_size=4, **kwargs)
+
+
+def rows_disagree(items: list) -> tuple:
+    """A collate that loses samples of the targets: 4 inputs, 3 targets."""
+    x, y = zip(*items)
+    return torch.stack(x), torch.stack(y)[:-1]
+
+
+X, Y = torch.randn(12, 6), torch.randn(12, 3)
+
+
+@dataclass(frozen=True)
+class Bad:
+    run: Callable[[Path], Any]
+    message: str
+    in_run: bool = False
+    """Found by the processes, whose error names the rank and its role."""
+    rank: str = ""
+    """Which rank, where only one can find it (``"global rank 2 (stage1"``)."""
+
+
+CASES = {
+    # The model contract.
+    "no-layers": Bad(lambda _: fit(NoContract()), "does not follow the hetero model contract: it has no `pipeline_layers()`"),
+    "no-loss": Bad(lambda _: fit(NoLoss()), "it has no `pipeline_loss()`"),
+    "foreign-layer": Bad(lambda _: fit(Variant("foreign")), "is not a submodule of the model"),
+    "orphan-parameter": Bad(lambda _: fit(Variant("orphan")), "trainable parameters outside `pipeline_layers()`: extra"),
+    "tied": Bad(lambda _: fit(Variant("tied")), "share a parameter (weight tying)"),
+    "batchnorm": Bad(lambda _: fit(Variant("batchnorm")), "contains BatchNorm1d with running statistics"),
+    "more-stages-than-layers": Bad(
+        lambda _: fit(strategy=hetero(stages=["cpu"] * 7)), "Cannot cut 6 layer(s) into 7 pipeline stages"
+    ),
+    # The strategy's arguments.
+    "cpu-fraction-above-1": Bad(lambda _: HeteroStrategy(cpu_fraction=1.5), "`cpu_fraction=1.5` must be 'auto' or a number between 0 and 1"),
+    "cpu-fraction-negative": Bad(lambda _: HeteroStrategy(cpu_fraction=-0.1), "`cpu_fraction=-0.1` must be 'auto' or a number between 0 and 1"),
+    "cpu-fraction-text": Bad(lambda _: HeteroStrategy(cpu_fraction="half"), "`cpu_fraction='half'` must be 'auto' or a number between 0 and 1"),
+    "cpu-share-without-cpu-worker": Bad(lambda _: HeteroStrategy(cpu_fraction=0.5, cpu_workers=0), "`cpu_workers=0` starts no CPU worker"),
+    "missing-gpu": Bad(lambda _: HeteroStrategy(stages=["cuda:0"]), "is a GPU, but CUDA is not available on this machine"),
+    "unknown-device": Bad(lambda _: HeteroStrategy(stages=["cpu", "tpu"]), "Stage device 'tpu' is not a device name"),
+    "unsupported-device": Bad(lambda _: HeteroStrategy(stages=["mps"]), "Stage device 'mps' is not supported"),
+    "no-stages": Bad(lambda _: HeteroStrategy(stages=0), "a hetero run needs at least one pipeline stage"),
+    "stages-text": Bad(lambda _: HeteroStrategy(stages="many"), "`stages='many'` is not understood"),
+    "unknown-schedule": Bad(lambda _: HeteroStrategy(schedule="Foo"), "Unknown schedule name 'Foo'"),
+    "multi-stage-schedule": Bad(lambda _: HeteroStrategy(schedule="Interleaved1F1B"), "runs several stages per rank"),
+    "too-few-micro-batches": Bad(
+        lambda _: HeteroStrategy(schedule="1F1B", stages=["cpu"] * 3, micro_batches=2), "needs at least as many micro-batches"
+    ),
+    "micro-batches-0": Bad(lambda _: HeteroStrategy(micro_batches=0), "`micro_batches=0` must be an integer >= 1"),
+    "cpu-workers-negative": Bad(lambda _: HeteroStrategy(cpu_workers=-1), "`cpu_workers=-1` must be an integer >= 0"),
+    "unknown-mode": Bad(lambda _: HeteroStrategy(mode="medium"), "`mode='medium'` is not a hetero mode"),
+    "unknown-nonfinite-policy": Bad(lambda _: HeteroStrategy(nonfinite="ignore"), "`nonfinite='ignore'` must be 'error'"),
+    "plan-and-arguments": Bad(lambda p: HeteroStrategy(plan=plan_file(p), micro_batches=2), "the plan sets ['micro_batches'] too"),
+    # Plan files.
+    "plan-layer-count": Bad(
+        lambda p: fit(strategy=from_plan(p, boundaries=[2, 9])),
+        "Plan: boundaries [2, 9] do not cut the model's 6 layers into 3 non-empty stages in order",
+    ),
+    "plan-unknown-schedule": Bad(lambda p: from_plan(p, schedule="Foo"), "plan.yaml: Unknown schedule name 'Foo'"),
+    "plan-fraction-out-of-range": Bad(
+        lambda p: from_plan(p, cpu_fraction=1.5), "plan.yaml: Plan: `cpu_fraction=1.5` must be between 0 and 1"
+    ),
+    "plan-device-missing": Bad(
+        lambda p: from_plan(p, stages=["cuda:0", "cuda:1", "cuda:2"]),
+        "plan.yaml cannot run on this machine: Stage device 'cuda:0' is a GPU, but CUDA is not available",
+    ),
+    "plan-unknown-key": Bad(lambda p: from_plan(p, pipeline_depth=2), "plan.yaml: Key 'pipeline_depth' not in 'HeteroPlan'"),
+    # The Trainer's flags, and the model's way of training.
+    "precision-16-mixed": Bad(
+        lambda _: L.Trainer(strategy="hetero", precision="16-mixed", accelerator="hetero"),
+        "float16 mixed precision needs a loss scale agreed between all workers",
+    ),
+    "manual-optimization": Bad(lambda _: fit(Variant("manual")), "uses manual optimization"),
+    "dataloader-iter-step": Bad(lambda _: fit(IterStep()), "`IterStep.training_step` must take `(batch, batch_idx)`"),
+    # What only the processes see: the data, the optimizers, the processes that join.
+    "batches-not-pairs": Bad(
+        lambda _: fit(data=loader(X, Y, torch.randn(12)), strategy=hetero(cpu_fraction=0.0)),
+        "expects every batch to be a pair `(inputs, targets)`, but got a list of length 3",
+        in_run=True,
+    ),
+    "samples-disagree": Bad(
+        lambda _: fit(data=loader(X, Y, collate_fn=rows_disagree)),
+        "this batch holds tensors of shapes (4, 6), (3, 3)",
+        in_run=True,
+    ),
+    "shuffled-evaluation-data": Bad(
+        lambda _: fit(val=loader(X, Y, shuffle=True)),
+        "The val dataloader shuffles with the global random",
+        in_run=True,
+    ),
+    "loss-other-than-pipeline-loss": Bad(
+        lambda _: fit(ExtraLoss()),
+        "`training_step` must return exactly that loss",
+        in_run=True,
+        rank="global rank 2 (stage1",  # the last stage replays the step on the pipeline's outputs
+    ),
+    "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
+    "a-node-never-starts": Bad(
+        lambda _: fit(strategy=hetero(timeout=2), num_nodes=2),
+        "not all 6 processes of the layout joined within the timeout (2 s). With `num_nodes=2`, start the same"
+        " command on every node",
+        in_run=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_bad_input_gets_its_own_clear_error(case: Bad, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not case.in_run:
+        import torch.multiprocessing as mp
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("worker processes were started before the bad input was reported")
+
+        monkeypatch.setattr(mp, "start_processes", refuse)
+    with pytest.raises(Exception) as error:
+        case.run(tmp_path)
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert case.message in text
+    if case.in_run:
+        assert re.search(r"global rank \d \((cpu|stage)\d of 1 CPU worker\(s\) \+ 2 stage\(s\)", text)
+        assert case.rank in text
+    assert psutil.Process().children(recursive=True) == [], "a worker process was left running"
