@@ -94,9 +94,9 @@ def measure(params: int, repeats: int, threads: list[int]) -> dict[int, dict[str
 
 
 def rows(smoke: bool = False) -> list[Row]:
-    sizes = dict(params=2**16, repeats=2, threads=[torch.get_num_threads()]) if smoke else DEFAULTS
-    results = measure(**{**sizes, "threads": [max(sizes["threads"])]})
-    (threads, rate), = results.items()
+    sizes = dict(params=2**16, repeats=2) if smoke else dict(params=DEFAULTS["params"], repeats=DEFAULTS["repeats"])
+    threads = max(DEFAULTS["threads"])
+    rate = measure(**sizes, threads=[threads])[threads]
     return [
         Row("CPU optimizer", f"offloaded AdamW / torch {peer} AdamW, {threads} threads (params/s)", rate["offloaded"] / rate[peer])
         for peer in ("foreach", "fused")

@@ -36,6 +36,7 @@ from lightning_hetero.pipeline import partition_layers
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 STAGES = 2
 WARMUP = 3
+DEFAULTS = dict(steps=40, repeats=3, micro_batches=[1, 2, 4], width=512, batch_size=256)
 
 
 def _plain_rank(rank: int, model: MLP, batches: list, schedule: str, micro_batches: int, out: Path) -> None:
@@ -113,9 +114,6 @@ def rows(smoke: bool = False) -> list[Row]:
         )
         for r in results
     ]
-
-
-DEFAULTS = dict(steps=40, repeats=3, micro_batches=[1, 2, 4], width=512, batch_size=256)
 
 
 def main() -> None:

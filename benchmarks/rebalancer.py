@@ -101,12 +101,12 @@ def rows(smoke: bool = False) -> list[Row]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60, help="steps of the rebalanced and fixed-split runs")
-    parser.add_argument("--alone-steps", type=int, default=10, help="steps of the standalone runs")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--pipeline-speed", type=float, default=500.0, help="emulated pipeline samples/s")
-    parser.add_argument("--every", type=int, default=5, help="the rebalancer's every_n_steps")
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="steps of the rebalanced and fixed-split runs")
+    parser.add_argument("--alone-steps", type=int, default=DEFAULTS["alone_steps"], help="steps of the standalone runs")
+    parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--pipeline-speed", type=float, default=DEFAULTS["pipeline_speed"], help="emulated pipeline samples/s")
+    parser.add_argument("--every", type=int, default=DEFAULTS["every"], help="the rebalancer's every_n_steps")
     args = parser.parse_args()
     results = measure(**vars(args), ratios=DEFAULTS["ratios"])
     print(

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
-
 from lightning_hetero.module import run_layers
 
 __all__ = [

@@ -47,14 +47,18 @@ def test_different_arguments_on_different_workers_are_an_error() -> None:
         combine_logs([report(1, 1.0, a=(1.0, 1, {"prog_bar": True})), report(1, 1.0, a=(1.0, 1, {}))])
 
 
+def _sent(rank: int, step: int) -> WorkerReport:
+    """What ``rank`` shares at ``step``: rank 1's second report outgrows a 1 KiB buffer."""
+    logs = {f"value{i}": (float(i), 1.0, {}) for i in range(100 if (rank, step) == (1, 1) else rank + 1)}
+    return report(rank + 1, float(step), **logs)
+
+
 def _share(rank: int, world: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     share, seen = ReportExchange(capacity=1024), []
-    for step in range(3):
-        # Rank 1's second report outgrows the buffer; the third step fits the grown one.
-        logs = {f"value{i}": (float(i), 1.0, {}) for i in range(100 if (rank, step) == (1, 1) else rank + 1)}
-        seen.append((share(report(rank + 1, float(step), **logs)), share.capacity))
+    for step in range(3):  # the third step fits the buffer grown in the second
+        seen.append((share(_sent(rank, step)), share.capacity))
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     dist.destroy_process_group()
 
@@ -64,11 +68,8 @@ def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path) -> None:
     mp.start_processes(_share, args=(world, tmp_path), nprocs=world, start_method="fork")
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for step in range(3):
-        expected = [
-            report(r + 1, float(step), **{f"value{i}": (float(i), 1.0, {}) for i in range(100 if (r, step) == (1, 1) else r + 1)})
-            for r in range(world)
-        ]
+        expected = [_sent(r, step) for r in range(world)]
         assert all(seen[step][0] == expected for seen in ranks)  # every report, in rank order, on every rank
     capacities = [[capacity for _, capacity in seen] for seen in ranks]
-    big = len(pickle.dumps(ranks[0][1][0][1], protocol=pickle.HIGHEST_PROTOCOL))  # rank 1's large report
+    big = len(pickle.dumps(_sent(1, 1), protocol=pickle.HIGHEST_PROTOCOL))
     assert all(c == [1024, big, big] for c in capacities)  # grown together, and kept
