@@ -7,19 +7,37 @@ without a generator draws from each process's global RNG, which the workers cons
 (dropout on the CPU worker, none on a middle stage): a training loader's is replaced by a
 ``DistributedSampler`` that shuffles from the shared seed (``seed_everything``'s, or 0), as
 Lightning's DDP does; an evaluation loader's is an error, since its order could not be kept.
+
+DataLoaders handed to the trainer's method itself (``trainer.fit(model, loader)``) are checked in
+the main process before any process starts (``check_before_launch``): their order, and the shape
+of a first batch read without moving any random generator. Loaders from a datamodule or a
+``*_dataloader()`` hook exist only once each process has set them up; their batches are checked
+at the first step, and the error names the rank.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from collections.abc import Sequence
+from typing import Any, Optional
 
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-__all__ = ["same_batches_on_every_rank", "with_workers"]
+from lightning_hetero.module import split_inputs_targets
+from lightning_hetero.workers import batch_size_of
+
+__all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch"]
+
+_STAGES = {
+    TrainerFn.VALIDATING: RunningStage.VALIDATING,
+    TrainerFn.TESTING: RunningStage.TESTING,
+    TrainerFn.PREDICTING: RunningStage.PREDICTING,
+}
 
 
 def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]) -> object:
@@ -51,3 +69,50 @@ def with_workers(dataloader: object, workers: int) -> object:
         kwargs["persistent_workers"] = False
         kwargs["prefetch_factor"] = None
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+def check_before_launch(fn: Optional[TrainerFn], args: Sequence[Any]) -> None:
+    """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
+    the launcher: the model, then the loaders) as every process would at its first batch."""
+    if fn == TrainerFn.FITTING:
+        loaders = [(RunningStage.TRAINING, args[1] if len(args) > 1 else None)]
+        loaders.append((RunningStage.VALIDATING, args[2] if len(args) > 2 else None))
+    elif fn in _STAGES:
+        loaders = [(_STAGES[fn], args[1] if len(args) > 1 else None)]
+    else:
+        return
+    for stage, loader in loaders:
+        if not isinstance(loader, DataLoader):
+            continue  # a datamodule, a list of loaders, or nothing: checked in the processes
+        if stage != RunningStage.TRAINING:
+            same_batches_on_every_rank(loader, stage)
+        batch = peek_batch(loader)
+        if batch is None:
+            continue
+        try:
+            batch_size_of(batch)
+            if stage == RunningStage.TRAINING:
+                split_inputs_targets(batch)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"The {stage.dataloader_prefix} dataloader's first batch: {error}") from None
+
+
+def peek_batch(loader: DataLoader) -> Optional[Any]:
+    """A batch collated as ``loader`` collates its first one, read in this process with every random
+    generator put back as it was, from a shallow copy of the dataset (so that a file a dataset opens
+    on first use is not opened here and inherited by the processes). ``None`` where that cannot be
+    done without consuming data: an iterable dataset, a custom batch sampler, or a dataset that
+    cannot be read here (the processes report its error themselves)."""
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset) or (loader.batch_size is None and loader.batch_sampler is not None):
+        return None
+    states = _collect_rng_states(include_cuda=False)
+    try:
+        dataset = copy.copy(dataset)
+        if loader.batch_size is None:  # automatic batching off: every item is a batch
+            return loader.collate_fn(dataset[0])
+        return loader.collate_fn([dataset[i] for i in range(min(loader.batch_size, len(dataset)))])
+    except Exception:
+        return None
+    finally:
+        _set_rng_states(states)

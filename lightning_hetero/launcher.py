@@ -10,8 +10,9 @@ Two ways, both Lightning's own launchers underneath:
   forked after the parent ran multi-threaded (OpenMP) torch work can hang in its first parallel
   op; run such programs with ``"popen"`` or ``"spawn"``.
 
-Whatever the method, the model contract is checked in the main process first, so a model that
-cannot run gets its error before any process starts.
+Whatever the method, the model contract, and the DataLoaders passed to the trainer's method, are
+checked in the main process first, so a model or data that cannot run gets its error before any
+process starts.
 
 A process that fails (an exception, a signal, a crash) ends the run at once: the launcher gives
 the others ``GRACE_S`` seconds to end by themselves, kills those left (SIGKILL: a process blocked
@@ -53,6 +54,8 @@ from torch.multiprocessing.spawn import ProcessContext, ProcessException, Proces
 from typing_extensions import override
 
 import lightning.pytorch as pl
+
+from lightning_hetero.data import check_before_launch
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -329,6 +332,7 @@ class HeteroLauncher(_Launcher):
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
+        check_before_launch(trainer.state.fn if trainer is not None else None, args)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as error:  # a process ended without a Python error to tell why

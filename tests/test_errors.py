@@ -1,10 +1,11 @@
 """Bad input gets its own clear error. What the main process can judge (the model, the strategy's
-arguments, plan files, the Trainer's flags) is refused before any process starts; what only the
-processes see (the data, the optimizers `setup` builds) ends the run at the first step, naming the
-rank. Either way no process is left running."""
+arguments, plan files, the Trainer's flags, DataLoaders passed to `fit` itself) is refused before any
+process starts; what only the processes see (a datamodule's batches, the optimizers `setup` builds)
+ends the run at the first step, naming the rank. Either way no process is left running."""
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import HeteroPlan, HeteroStrategy, PipelineModule
+from lightning_hetero.data import peek_batch
 from tests.conftest import hetero, trainer
 from tests.models import Net, regression_data
 
@@ -179,20 +182,30 @@ CASES = {
     ),
     "manual-optimization": Bad(lambda _: fit(Variant("manual")), "uses manual optimization"),
     "dataloader-iter-step": Bad(lambda _: fit(IterStep()), "`IterStep.training_step` must take `(batch, batch_idx)`"),
-    # What only the processes see: the data, the optimizers, the processes that join.
+    # DataLoaders passed to `fit`: a first batch is read in the main process.
     "batches-not-pairs": Bad(
         lambda _: fit(data=loader(X, Y, torch.randn(12)), strategy=hetero(cpu_fraction=0.0)),
-        "expects every batch to be a pair `(inputs, targets)`, but got a list of length 3",
-        in_run=True,
+        "The train dataloader's first batch: The hetero strategy expects every batch to be a pair `(inputs, targets)`,"
+        " but got a list of length 3",
     ),
     "samples-disagree": Bad(
         lambda _: fit(data=loader(X, Y, collate_fn=rows_disagree)),
-        "this batch holds tensors of shapes (4, 6), (3, 3)",
-        in_run=True,
+        "The train dataloader's first batch: The hetero strategy divides every batch between its workers by samples,"
+        " along the first dimension of each of its tensors, so every tensor needs one row per sample; this batch holds"
+        " tensors of shapes (4, 6), (3, 3)",
+    ),
+    "val-samples-disagree": Bad(
+        lambda _: fit(val=loader(X, Y, collate_fn=rows_disagree)),
+        "The val dataloader's first batch: The hetero strategy divides every batch",
     ),
     "shuffled-evaluation-data": Bad(
         lambda _: fit(val=loader(X, Y, shuffle=True)),
         "The val dataloader shuffles with the global random",
+    ),
+    # What only the processes see: a datamodule's batches, the optimizers, the processes that join.
+    "datamodule-batches-not-pairs": Bad(
+        lambda _: fit(data=L.LightningDataModule.from_datasets(TensorDataset(X, Y, torch.randn(12)), batch_size=4)),
+        "expects every batch to be a pair `(inputs, targets)`, but got a list of length 3",
         in_run=True,
     ),
     "loss-other-than-pipeline-loss": Bad(
@@ -228,3 +241,48 @@ def test_bad_input_gets_its_own_clear_error(case: Bad, tmp_path: Path, monkeypat
         assert re.search(r"global rank \d \((cpu|stage)\d of 1 CPU worker\(s\) \+ 2 stage\(s\)", text)
         assert case.rank in text
     assert psutil.Process().children(recursive=True) == [], "a worker process was left running"
+
+
+class LazyFile(torch.utils.data.Dataset):
+    """Opens its "file" on first use, as datasets over h5py or memory-mapped files do, and draws an
+    augmentation from the global generators."""
+
+    def __init__(self) -> None:
+        self.handle: Optional[object] = None
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.handle is None:
+            self.handle = object()
+        random.random()
+        np.random.rand()
+        return torch.randn(3), torch.tensor(index)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_peeked_batch_moves_no_generator_and_opens_nothing(shuffle: bool) -> None:
+    dataset = LazyFile()
+    generator = torch.Generator().manual_seed(3)
+    loader = DataLoader(dataset, batch_size=4, shuffle=shuffle, generator=generator if shuffle else None)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(), generator.get_state())
+    batch = peek_batch(loader)
+    assert batch[0].shape == (4, 3) and batch[1].tolist() == [0, 1, 2, 3]
+    assert torch.equal(states[0], torch.get_rng_state()) and states[1] == random.getstate()
+    assert (states[2] == np.random.get_state()[1]).all() and torch.equal(states[3], generator.get_state())
+    assert dataset.handle is None, "the peek opened the dataset's file in the main process"
+
+
+def test_a_batch_that_cannot_be_read_beforehand_is_left_to_the_processes() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            raise AssertionError("the stream was consumed before the run")
+
+    class Broken(LazyFile):
+        def __getitem__(self, index: int) -> Any:
+            raise OSError("only readable in a worker")
+
+    assert peek_batch(DataLoader(Stream(), batch_size=4)) is None
+    assert peek_batch(DataLoader(Broken(), batch_size=4)) is None
+    assert peek_batch(DataLoader(LazyFile(), batch_size=None))[0].shape == (3,)
