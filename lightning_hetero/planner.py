@@ -8,8 +8,13 @@ The cost model (all times from the profile, scaled by each device's relative spe
 - the pipeline's share, cut into ``m`` micro-batches on ``p`` stages, takes ``(m + p - 1)`` times
   the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble);
 - each CPU worker computes its part of the CPU's share with the whole model;
+- processes that compute on the CPU (the CPU workers, and emulated stages) share its cores: the
+  pipeline and the CPU's share together cannot finish before the thread-seconds they compute,
+  spread over every core (a bound that binds only where their threads outnumber the cores, as
+  three one-thread processes on two cores do);
 - the gradient sum costs one all-reduce per stage over the sync link (none when the CPU's share
-  is 0: an idle CPU worker does not take part), and the optimizer steps run in parallel;
+  is 0: an idle CPU worker does not take part), and the optimizer steps run in parallel (sharing
+  the cores in the same way);
 - coarse mode adds sum and step after the slower side; fine mode hides them behind the last
   micro-batch's backward, as far as it reaches;
 - every step also pays the profile's fixed overhead (the training loop's own work and sharing the
@@ -67,6 +72,8 @@ class Machine:
     cpu_speed: float = 1.0
     """Relative speed of each CPU worker (1: as profiled)."""
     cpu_threads: Optional[int] = None
+    cores: Optional[int] = None
+    """Cores the CPU workers and emulated stages share (None: as many as their threads)."""
     sync: LinkProfile = field(default_factory=lambda: _FREE_LINK)
     """Stage <-> CPU workers: the gradient all-reduce."""
     pipeline: LinkProfile = field(default_factory=lambda: _FREE_LINK)
@@ -86,6 +93,7 @@ class Machine:
             stage_names=list(stage_names),
             memory=[profile.device_memory.get(r) for r in stages],
             cpu_workers=cpu_workers,
+            cores=profile.cpu_cores,
             sync=profile.links.get("sync", _FREE_LINK),
             pipeline=profile.links.get("pipeline", _FREE_LINK),
             d2h=profile.links.get("d2h", _FREE_LINK),
@@ -104,6 +112,9 @@ class Prediction:
     bubble: float
     memory: list[float]
     """Bytes per stage: parameters, gradients, device optimizer state, activations in flight."""
+    cores_s: float = 0.0
+    """The shortest time the pipeline's and the CPU's shares take on the cores they share (see the
+    module doc); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
     overhead_s: float = 0.0
     """The profile's fixed cost per step, included in ``step_s``."""
 
@@ -213,6 +224,18 @@ def pipeline_time(
         for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
     )
     return (micro_batches + len(bounds) - 1) * slowest, slowest
+
+
+def _on_cpu(device: str) -> bool:
+    return device.split(":")[0] == "cpu"
+
+
+def _on_shared_cores(machine: Machine, busy: Sequence[tuple[float, int]]) -> float:
+    """The shortest time in which processes busy for ``(seconds, threads on the CPU)`` can all finish
+    when they share ``machine.cores``."""
+    if machine.cores is None:
+        return 0.0
+    return sum(seconds * threads for seconds, threads in busy) / machine.cores
 
 
 def choose_offload(
@@ -353,14 +376,23 @@ def predict(
     stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
     # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
     sync = sum(machine.sync.time(n) for n in stage_bytes) if cpu_samples and machine.cpu_workers else 0.0
-    stage_step = max(
+    stage_steps = [
         n * profile.devices[role].optimizer_s_per_param / speed
         for n, role, speed in zip(stage_params, machine.stages, machine.stage_speed)
-    )
+    ]
     cpu_step = 0.0
     if cpu_samples and machine.cpu_workers:
         cpu_step = sum(stage_params) * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed
-    optimizer = max(stage_step, cpu_step)
+    # The threads each process computes with on the CPU's cores: emulated stages, the CPU workers with a share.
+    threads = [profile.devices[role].threads if _on_cpu(name) else 0 for role, name in zip(machine.stages, machine.stage_names)]
+    worker_threads = machine.cpu_workers * (machine.cpu_threads or profile.devices["cpu"].threads) if cpu else 0
+    u = pipeline_samples / micro_batches if pipeline_samples else 0.0
+    stage_busy = [
+        micro_batches * StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) if u else 0.0
+        for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
+    ]
+    cores = _on_shared_cores(machine, [*zip(stage_busy, threads), (cpu, worker_threads)])
+    optimizer = max(*stage_steps, cpu_step, _on_shared_cores(machine, [*zip(stage_steps, threads), (cpu_step, worker_threads)]))
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
@@ -369,16 +401,16 @@ def predict(
             for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
         )
         tail = max(0.0, tail - window)
-    u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     memory = [
         _stage_memory(profile, range(*b), _in_flight(schedule, s, len(bounds), micro_batches) * u)
         for s, b in enumerate(bounds)
     ]
     bubble = (len(bounds) - 1) / (micro_batches + len(bounds) - 1) if pipeline_samples else 0.0
     return Prediction(
-        step_s=max(pipe, cpu) + tail + profile.step_overhead_s,
+        step_s=max(pipe, cpu, cores) + tail + profile.step_overhead_s,
         pipeline_s=pipe,
         cpu_s=cpu,
+        cores_s=cores,
         sync_s=sync,
         optimizer_s=optimizer,
         bubble=bubble,
@@ -404,7 +436,8 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
     rows.append("")
     rows.append(
         f"predicted step {prediction.step_s * 1e3:.2f} ms (pipeline {prediction.pipeline_s * 1e3:.2f}, CPU"
-        f" {prediction.cpu_s * 1e3:.2f}, sum {prediction.sync_s * 1e3:.2f}, optimizer {prediction.optimizer_s * 1e3:.2f},"
+        f" {prediction.cpu_s * 1e3:.2f}, both on the shared cores {prediction.cores_s * 1e3:.2f}, sum"
+        f" {prediction.sync_s * 1e3:.2f}, optimizer {prediction.optimizer_s * 1e3:.2f},"
         f" fixed {prediction.overhead_s * 1e3:.2f});"
         f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
     )
@@ -457,6 +490,7 @@ def hypothetical_machine(
         cpu_workers=cpu_workers,
         cpu_speed=cpu_speed,
         cpu_threads=cpu_threads,
+        cores=cpu_cores,
         sync=link("sync", sync_gbps),
         pipeline=link("pipeline", pipeline_gbps),
         d2h=link("d2h", host_gbps),

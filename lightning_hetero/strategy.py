@@ -10,7 +10,6 @@ result is the same model a single process would train on the same batches.
 from __future__ import annotations
 
 import atexit
-import os
 import time
 from pathlib import Path
 import warnings
@@ -85,6 +84,7 @@ from lightning_hetero.topology import (
     resolve_stage_devices,
     restart_store,
     threads_for,
+    usable_cores,
     world_backend,
 )
 from lightning_hetero.workers import CpuWorker, GradPolicy, StageWorker, batch_size_of
@@ -507,8 +507,7 @@ class HeteroStrategy(ParallelStrategy):
         self._control = self._groups.control
         self._exchange = ReportExchange(self._control)
         self._recorder = Recorder(self.global_rank, str(self.role), self.root_device)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(threads_for(self.role, self.topology, cores, self._cpu_threads))
+        torch.set_num_threads(threads_for(self.role, self.topology, usable_cores(), self._cpu_threads))
         if isinstance(self.precision_plugin, MixedPrecision):
             # Lightning picks one autocast device for the run; each hetero process computes on its own.
             self.precision_plugin.device = self.root_device.type

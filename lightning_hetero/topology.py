@@ -25,6 +25,7 @@ __all__ = [
     "resolve_stage_devices",
     "build_process_groups",
     "threads_for",
+    "usable_cores",
     "restart_store",
 ]
 
@@ -110,6 +111,11 @@ class Topology:
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
         return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def threads_for(role: Role, topology: Topology, cores: int, cpu_threads: int | None = None) -> int:

@@ -138,6 +138,37 @@ def test_a_cpu_far_slower_than_the_pipeline_gets_nothing() -> None:
     assert plan.cpu_fraction == 0.0 and prediction.sync_s == 0.0 and prediction.cpu_s == 0.0
 
 
+@pytest.mark.parametrize("cores", [None, 2, 3])
+def test_processes_on_the_cpu_share_its_cores(cores: int | None) -> None:
+    """Two emulated stages and a CPU worker, one thread each: on two cores the three cannot all run
+    at full speed, and the step is bounded by their thread-seconds over the cores."""
+    per_sample, batch = [0.2, 0.3, 0.1, 0.4], 16
+    prof = profile(per_sample, optimizer_s_per_param=1e-4)
+    mach = machine(2)
+    mach.cores = cores
+
+    def step(m: int, pipeline: int) -> float:
+        bounds = partition(prof, mach, 1, 1)
+        per_stage = [sum(per_sample[a:b]) * pipeline for a, b in bounds]  # each stage's busy time
+        pipe = (m + 1) * max(per_stage) / m if pipeline else 0.0
+        cpu = sum(per_sample) * (batch - pipeline)
+        steps = [sum(prof.layers[i].params for i in range(a, b)) * 1e-4 for a, b in bounds]
+        cpu_step = sum(steps) if cpu else 0.0
+        if cores is None:
+            return max(pipe, cpu) + max(*steps, cpu_step)
+        return max(pipe, cpu, (sum(per_stage) + cpu) / cores) + max(*steps, cpu_step, (sum(steps) + cpu_step) / cores)
+
+    best = min(step(m, p) for m in range(1, 9) for p in range(0, batch + 1, m))
+    plan, prediction = plan_run(prof, mach, batch, max_micro_batches=8)
+    assert prediction.step_s == pytest.approx(best)
+    assert step(plan.micro_batches, round((1 - plan.cpu_fraction) * batch)) == pytest.approx(best)
+    if cores == 2:  # the shared cores bind: the CPU's share no longer comes free
+        assert prediction.cores_s == pytest.approx(max(prediction.pipeline_s, prediction.cpu_s, prediction.cores_s))
+        assert plan_run(prof, machine(2), batch)[1].step_s < prediction.step_s
+    if cores == 3:  # a core each: the same plan as with no bound
+        assert plan == plan_run(prof, machine(2), batch)[0]
+
+
 def test_the_bubble_and_memory_are_reported() -> None:
     prof = profile([1.0] * 4, activation=100.0)
     prediction = predict(prof, machine(2), [(0, 2), (2, 4)], batch_size=16, pipeline_samples=16, micro_batches=4)

@@ -11,7 +11,6 @@ training runs, the measured step time is logged beside the prediction.
 from __future__ import annotations
 
 import inspect
-import os
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from lightning_hetero.profiling import (
     time_optimizer,
 )
 from lightning_hetero.results import ReportExchange, WorkerReport
+from lightning_hetero.topology import usable_cores
 from lightning_hetero.workers import batch_size_of
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ class WorkloadAnalyzer(L.Callback):
             devices=devices,
             links=links,
             optimizer_state_factor=parts[0]["state_factor"],
-            cpu_cores=os.cpu_count() or 1,
+            cpu_cores=usable_cores(),
             device_memory=memory,
             step_overhead_s=load_s + max(part["exchange_s"] for part in parts),
         )
