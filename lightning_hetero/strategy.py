@@ -305,6 +305,16 @@ class HeteroStrategy(ParallelStrategy):
         if not 0.0 <= fraction <= 1.0 or (fraction > 0 and self._cpu_workers == 0):
             raise ValueError(f"A CPU fraction of {fraction} is not possible with {self._cpu_workers} CPU worker(s).")
         self._cpu_fraction = float(fraction)
+        self._set_threads()
+
+    def _set_threads(self) -> None:
+        """This process's torch threads for the current CPU fraction (``threads_for``): an emulated
+        stage takes the cores of CPU workers that have no share."""
+        if self._groups is None:  # not in a worker process (yet)
+            return
+        threads = threads_for(self.role, self.topology, usable_cores(), self._cpu_threads, self._cpu_fraction > 0)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     @property
     def micro_batches(self) -> int:
@@ -445,9 +455,8 @@ class HeteroStrategy(ParallelStrategy):
         self._cpu_fraction = plan.cpu_fraction
         self._offload = list(plan.offload) if plan.mode == "fine" else self._offload
         self._bucket_bytes = int(plan.bucket_size_mb * 2**20)
-        if plan.cpu_threads is not None and self.role.is_cpu_worker:
-            self._cpu_threads = plan.cpu_threads
-            torch.set_num_threads(plan.cpu_threads)
+        self._cpu_threads = plan.cpu_threads if plan.cpu_threads is not None else self._cpu_threads
+        self._set_threads()
 
     @property
     def plan(self) -> Optional[HeteroPlan]:
@@ -507,7 +516,7 @@ class HeteroStrategy(ParallelStrategy):
         self._control = self._groups.control
         self._exchange = ReportExchange(self._control)
         self._recorder = Recorder(self.global_rank, str(self.role), self.root_device)
-        torch.set_num_threads(threads_for(self.role, self.topology, usable_cores(), self._cpu_threads))
+        self._set_threads()
         if isinstance(self.precision_plugin, MixedPrecision):
             # Lightning picks one autocast device for the run; each hetero process computes on its own.
             self.precision_plugin.device = self.root_device.type

@@ -118,18 +118,23 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def threads_for(role: Role, topology: Topology, cores: int, cpu_threads: int | None = None) -> int:
+def threads_for(
+    role: Role, topology: Topology, cores: int, cpu_threads: int | None = None, cpu_share: bool = True
+) -> int:
     """Torch threads for one process of a node with ``cores`` cores.
 
-    Emulated (CPU) stages share the cores evenly with the CPU workers. With GPU stages, each GPU
-    stage process keeps one core to drive its device and the CPU workers share the rest.
-    ``cpu_threads`` overrides the CPU workers' count.
+    Emulated (CPU) stages share the cores evenly with the CPU workers; while the CPU workers have
+    no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
+    them alone. With GPU stages, each GPU stage process keeps one core to drive its device and the
+    CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count.
     """
     gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
     if role.is_stage:
         if topology.stage_devices[role.index].type == "cuda":
             return 1
-        return max(1, cores // topology.procs_per_node)
+        if cpu_share:
+            return max(1, cores // topology.procs_per_node)
+        return max(1, (cores - gpu_stages) // (topology.num_stages - gpu_stages))
     if cpu_threads is not None:
         return cpu_threads
     if gpu_stages:

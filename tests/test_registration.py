@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -11,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 
 from lightning_hetero import HeteroAccelerator, HeteroStrategy
+from lightning_hetero.topology import usable_cores
 from tests.conftest import trainer
 from tests.models import Net, column, read_metrics, regression_data
 
@@ -64,3 +66,27 @@ def test_roles_devices_threads_and_layer_placement(tmp_path: Path) -> None:
     assert ranks[0]["params"] == ranks[1]["params"] == everything  # CPU workers hold full replicas
     stage_params = [r["params"] for r in ranks[2:]]
     assert sorted(sum(stage_params, [])) == everything and all(stage_params)  # stages split the layers
+
+
+class RecordThreads(L.Callback):
+    """Each rank's torch threads at the first step, and after the CPU workers' share is taken away."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.threads: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.threads.append(torch.get_num_threads())
+        if batch_idx == 0:
+            trainer.strategy.set_cpu_fraction(0.0)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.threads))
+
+
+def test_an_emulated_stage_takes_the_cores_of_an_idle_cpu_worker(tmp_path: Path) -> None:
+    strategy = HeteroStrategy(stages=["cpu"], cpu_workers=1, cpu_fraction=0.5, start_method="fork", timeout=60)
+    trainer(strategy, max_steps=2, callbacks=[RecordThreads(tmp_path)]).fit(Net(), regression_data())
+    threads = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    cores = usable_cores()
+    assert threads == [[max(1, cores // 2)] * 2, [max(1, cores // 2), cores]]

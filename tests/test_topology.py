@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hetero.topology import Topology, resolve_stage_devices
+import pytest
+
+from lightning_hetero.topology import Topology, resolve_stage_devices, threads_for
 
 CPU = torch.device("cpu")
 
@@ -27,3 +29,21 @@ def test_cpu_workers_come_first_so_rank_zero_holds_the_whole_model() -> None:
 def test_pipeline_only_layout() -> None:
     topo = Topology(cpu_workers=0, stage_devices=(CPU, CPU))
     assert topo.role(0).is_first_stage and topo.cpu_ranks(0) == []
+
+
+@pytest.mark.parametrize(
+    "stages, cpu_workers, cpu_share, expected",
+    [
+        # Emulated stages share the 16 cores with the CPU workers, or take them all while those idle.
+        (["cpu", "cpu"], 2, True, [4, 4, 4, 4]),
+        (["cpu", "cpu"], 2, False, [4, 4, 8, 8]),
+        (["cpu"], 1, False, [8, 16]),
+        # A GPU stage keeps one core to drive its device, whatever the CPU workers do.
+        (["cuda:0", "cuda:1"], 1, True, [14, 1, 1]),
+        (["cuda:0", "cpu"], 1, False, [15, 1, 15]),
+    ],
+)
+def test_threads_share_the_cores(stages: list[str], cpu_workers: int, cpu_share: bool, expected: list[int]) -> None:
+    topology = Topology(cpu_workers=cpu_workers, stage_devices=tuple(torch.device(d) for d in stages))
+    threads = [threads_for(topology.role(r), topology, 16, cpu_share=cpu_share) for r in range(topology.procs_per_node)]
+    assert threads == expected
