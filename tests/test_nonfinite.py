@@ -4,6 +4,7 @@ the same model as one process that skipped that step."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +15,7 @@ import torch
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_hetero import HeteroStrategy
+from lightning_hetero.finite import finite_flag
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, column, read_metrics, regression_data
 
@@ -119,3 +121,17 @@ def test_skip_with_accumulation_and_clipping_in_fine_mode(tmp_path: Path) -> Non
 def test_policy_argument() -> None:
     with pytest.raises(ValueError, match=re.escape("`nonfinite='ignore'` must be 'error' (end the run) or 'skip'")):
         HeteroStrategy(nonfinite="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf, "inf-and-minus-inf"])
+def test_finite_flag_finds_any_nan_or_inf(dtype: torch.dtype, bad: object) -> None:
+    tensors = [torch.randn(7, 5, dtype=dtype), torch.randn(300, dtype=dtype), torch.zeros(0, dtype=dtype)]
+    # The largest finite values of a half-precision type sum far beyond it: not mistaken for Inf.
+    tensors.append(torch.full((1000,), torch.finfo(dtype).max if dtype.itemsize < 4 else 1.0, dtype=dtype))
+    if bad == "inf-and-minus-inf":  # a sum of infinities that cancels is NaN, not finite
+        tensors[1][3], tensors[1][9] = math.inf, -math.inf
+    elif bad is not None:
+        tensors[0][4, 2] = bad
+    assert bool(finite_flag(tensors)) is (bad is None)
+    assert bool(finite_flag([])) is True
