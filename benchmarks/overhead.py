@@ -1,8 +1,9 @@
 """The cost of the strategy itself: hetero with one stage and no CPU share vs plain Lightning.
 
 Both train the same MLP on the same batches on this machine's cores; the hetero run has one
-emulated stage (and, in the second row, an idle CPU worker that still takes part in the gradient
-sync). Prints median step times and their ratios, measured alternately in one run.
+emulated stage (and, in the second row, a CPU worker with no share: it computes and sums nothing,
+and the stage takes its cores, but it still runs Lightning's loop and shares every step's results).
+Prints median step times and their ratios, measured alternately in one run.
 
     python -m benchmarks.overhead [--steps N] [--repeats R]
 """

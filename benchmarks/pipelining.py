@@ -3,12 +3,15 @@
 Both run the same MLP cut at the same place into two emulated stages (two processes on this
 machine's cores, gloo between them), on the same batches, with the same schedule and micro-batch
 count and the same AdamW step. The plain loop is what a user would write by hand: build the
-stage, run ``schedule.step`` and ``optimizer.step`` per batch; no Lightning, no CPU worker. The
+stage, iterate the same DataLoader, run ``schedule.step`` and ``optimizer.step`` per batch; no
+Lightning, no CPU worker. The
 strategy runs with ``cpu_workers=0`` under a Lightning ``Trainer``, so the ratio is what the
 strategy and Lightning's loop add to torch's own pipelining. Configurations alternate in one run;
 medians of the per-step times after a warm-up are reported, beside the ideal speedup of a
 ``p``-stage pipeline over one device, ``p*m/(m+p-1)``: emulated stages that share two cores do not
-reach it (see DESIGN.md, "Measuring speed"), so it is shown for reference only.
+reach it (see DESIGN.md, "Measuring speed"), so it is shown for reference only. A last row
+measures what Lightning's own training loop costs (plain Lightning against the same hand-written
+loop without a pipeline, one process), which every hetero row includes.
 
     python -m benchmarks.pipelining [--steps N] [--repeats R] [--micro-batches 1 2 4]
 """
@@ -28,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.data import DataLoader
 
 from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
@@ -39,7 +43,7 @@ WARMUP = 3
 DEFAULTS = dict(steps=40, repeats=3, micro_batches=[1, 2, 4], width=512, batch_size=256)
 
 
-def _plain_rank(rank: int, model: MLP, batches: list, schedule: str, micro_batches: int, out: Path) -> None:
+def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
     torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(out / "store"), STAGES), rank=rank, world_size=STAGES, timeout=timedelta(seconds=60)
@@ -51,7 +55,7 @@ def _plain_rank(rank: int, model: MLP, batches: list, schedule: str, micro_batch
     runner = SCHEDULES[schedule](stage, micro_batches, loss_fn=model.pipeline_loss)
     optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
     times, last = [], time.perf_counter()
-    for x, y in batches:
+    for x, y in loader:
         optimizer.zero_grad()
         if rank == 0:
             runner.step(x)
@@ -66,21 +70,35 @@ def _plain_rank(rank: int, model: MLP, batches: list, schedule: str, micro_batch
     dist.destroy_process_group()
 
 
-def plain_pipelining(model: MLP, batches: list, schedule: str, micro_batches: int) -> list[float]:
+def plain_pipelining(model: MLP, loader: DataLoader, schedule: str, micro_batches: int) -> list[float]:
     """Per-step times of the hand-written loop (forked processes, like the strategy's)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         mp.start_processes(
-            _plain_rank, args=(model, batches, schedule, micro_batches, out), nprocs=STAGES, start_method="fork"
+            _plain_rank, args=(model, loader, schedule, micro_batches, out), nprocs=STAGES, start_method="fork"
         )
         return json.loads((out / "times.json").read_text())
 
 
-def measure(steps: int, repeats: int, micro_batches: list[int], width: int, batch_size: int) -> list[dict]:
-    """Per schedule and micro-batch count: the median step of each side and the ideal speedup."""
+def plain_loop(model: MLP, loader: DataLoader) -> list[float]:
+    """Per-step times of a hand-written one-process loop: forward, loss, backward, AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times, last = [], time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad()
+        model.pipeline_loss(model(x), y).backward()
+        optimizer.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times[WARMUP:]
+
+
+def measure(steps: int, repeats: int, micro_batches: list[int], width: int, batch_size: int) -> tuple[list[dict], dict]:
+    """Per schedule and micro-batch count: the median step of each side and the ideal speedup; then
+    the median step of plain Lightning and of the hand-written loop, one process each."""
     torch.set_num_threads(1)  # this process only launches workers; keep forking safe
     loader = synthetic_loader(batch_size * steps, batch_size)
-    batches = list(loader)
     results = []
     for schedule in SCHEDULES:
         for m in micro_batches:
@@ -92,27 +110,41 @@ def measure(steps: int, repeats: int, micro_batches: list[int], width: int, batc
                 return step_times(hetero, MLP(width=width), loader, steps)
 
             def plain(schedule: str = schedule, m: int = m) -> list[float]:
-                return plain_pipelining(MLP(width=width), batches, schedule, m)
+                return plain_pipelining(MLP(width=width), loader, schedule, m)
 
             times = interleave({"hetero": strategy, "plain": plain}, repeats)
             medians = {name: statistics.median(t) for name, t in times.items()}
             ideal = STAGES * m / (m + STAGES - 1)
             results.append({"schedule": schedule, "micro_batches": m, **medians, "ideal": ideal})
-    return results
+    lightning = {
+        "lightning": lambda: step_times(None, MLP(width=width), loader, steps),
+        "loop": lambda: plain_loop(MLP(width=width), loader),
+    }
+    reference = {name: statistics.median(t) for name, t in interleave(lightning, repeats).items()}
+    return results, reference
 
 
 def rows(smoke: bool = False) -> list[Row]:
     sizes = dict(steps=6, repeats=1, micro_batches=[2], width=32, batch_size=16) if smoke else {}
-    results = measure(**{**DEFAULTS, **sizes})
+    results, reference = measure(**{**DEFAULTS, **sizes})
     return [
+        *(
+            Row(
+                "pipeline overhead",
+                f"{r['schedule']}, {r['micro_batches']} micro-batches: hetero / plain torch pipelining (step time)",
+                r["hetero"] / r["plain"],
+                "<= 1.03",
+                f"ideal speedup p*m/(m+p-1) = {r['ideal']:.2f}",
+            )
+            for r in results
+        ),
         Row(
             "pipeline overhead",
-            f"{r['schedule']}, {r['micro_batches']} micro-batches: hetero / plain torch pipelining (step time)",
-            r["hetero"] / r["plain"],
-            "<= 1.03",
-            f"ideal speedup p*m/(m+p-1) = {r['ideal']:.2f}",
-        )
-        for r in results
+            "reference: plain Lightning / the same loop by hand, 1 process, no pipeline (step time)",
+            reference["lightning"] / reference["loop"],
+            "",
+            "Lightning's own loop, which every hetero row includes",
+        ),
     ]
 
 
@@ -124,7 +156,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=DEFAULTS["width"])
     parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     args = parser.parse_args()
-    results = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size)
+    results, reference = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size)
     print(f"MLP 6x{args.width}, batch {args.batch_size}, {STAGES} emulated stages; median step (ms)")
     print(f"{'schedule':>8s} {'m':>3s} {'hetero':>8s} {'plain':>8s} {'hetero/plain':>12s} {'ideal speedup':>13s}")
     for r in results:
@@ -132,6 +164,10 @@ def main() -> None:
             f"{r['schedule']:>8s} {r['micro_batches']:3d} {r['hetero'] * 1e3:8.2f} {r['plain'] * 1e3:8.2f}"
             f" {r['hetero'] / r['plain']:12.3f} {r['ideal']:13.2f}"
         )
+    print(
+        f"one process, no pipeline: plain Lightning {reference['lightning'] * 1e3:.2f} ms, the loop by hand"
+        f" {reference['loop'] * 1e3:.2f} ms ({reference['lightning'] / reference['loop']:.3f})"
+    )
 
 
 if __name__ == "__main__":

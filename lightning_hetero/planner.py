@@ -3,11 +3,13 @@ batch the CPU computes, which fine-mode buckets to offload, and how to split the
 
 The cost model (all times from the profile, scaled by each device's relative speed):
 
-- a stage's time per micro-batch of ``u`` samples is its layers' forward and backward at ``u``,
-  plus sending its output (and receiving the gradient back) over the pipeline link;
+- a stage's time per micro-batch of ``u`` samples is its layers' forward and backward at ``u``
+  (the last stage's with the loss's), plus sending its output (and receiving the gradient back)
+  over the pipeline link;
 - the pipeline's share, cut into ``m`` micro-batches on ``p`` stages, takes ``(m + p - 1)`` times
-  the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble);
-- each CPU worker computes its part of the CPU's share with the whole model;
+  the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble),
+  and then the last stage replays the step method on its outputs (the loss's forward once more);
+- each CPU worker computes its part of the CPU's share with the whole model and the loss;
 - processes that compute on the CPU (the CPU workers, and emulated stages) share its cores: the
   pipeline and the CPU's share together cannot finish before the thread-seconds they compute,
   spread over every core (a bound that binds only where their threads outnumber the cores, as
@@ -215,7 +217,8 @@ def _send(profile: Profile, machine: Machine, stop: int, micro_batch: float) -> 
 def pipeline_time(
     profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], samples: int, micro_batches: int
 ) -> tuple[float, float]:
-    """(seconds, slowest stage's micro-batch seconds) for the pipeline's ``samples`` in ``micro_batches``."""
+    """(seconds, slowest stage's micro-batch seconds) for the pipeline's ``samples`` in ``micro_batches``:
+    the schedule, then the last stage's replay of the step method (the loss once more, forward only)."""
     if samples == 0:
         return 0.0, 0.0
     u = samples / micro_batches
@@ -223,7 +226,8 @@ def pipeline_time(
         StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) + _send(profile, machine, b[1], u)
         for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
     )
-    return (micro_batches + len(bounds) - 1) * slowest, slowest
+    replay = profile.devices[machine.stages[-1]].loss_time(samples) / machine.stage_speed[-1]
+    return (micro_batches + len(bounds) - 1) * slowest + replay, slowest
 
 
 def _on_cpu(device: str) -> bool:
@@ -391,6 +395,8 @@ def predict(
         micro_batches * StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) if u else 0.0
         for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
     ]
+    if u:  # the last stage's replay
+        stage_busy[-1] += profile.devices[machine.stages[-1]].loss_time(pipeline_samples) / machine.stage_speed[-1]
     cores = _on_shared_cores(machine, [*zip(stage_busy, threads), (cpu, worker_threads)])
     optimizer = max(*stage_steps, cpu_step, _on_shared_cores(machine, [*zip(stage_steps, threads), (cpu_step, worker_threads)]))
     tail = sync + optimizer

@@ -38,6 +38,7 @@ __all__ = [
     "Profile",
     "profile_layers",
     "time_optimizer",
+    "profile_loss",
     "time_link",
     "all_reduce_over",
     "gradient_sum_over",
@@ -72,13 +73,26 @@ class DeviceTimes:
     """The user's optimizer on this device, per parameter."""
     offloaded_s_per_param: float = 0.0
     """The fused CPU optimizer of an offloaded bucket, per parameter (CPU devices)."""
+    loss_forward: tuple[float, float] = (0.0, 0.0)
+    """The module's ``pipeline_loss`` on the last layer's output: forward ..."""
+    loss_backward: tuple[float, float] = (0.0, 0.0)
+    """... and backward, like a layer's."""
 
     def layer_time(self, layers: range, samples: float) -> float:
-        """Forward and backward of ``layers`` for a micro-batch of ``samples``."""
-        return sum(
+        """Forward and backward of ``layers`` for a micro-batch of ``samples``; where ``layers`` end
+        with the model's last, the loss's too (it is computed where the last layer is)."""
+        total = sum(
             self.forward[i][0] + self.forward[i][1] * samples + self.backward[i][0] + self.backward[i][1] * samples
             for i in layers
         )
+        if layers and layers.stop == len(self.forward):
+            total += sum(fit[0] + fit[1] * samples for fit in (self.loss_forward, self.loss_backward))
+        return total
+
+    def loss_time(self, samples: float) -> float:
+        """The loss's forward alone, as the last stage computes it once more when it replays the
+        module's step method on the pipeline's outputs."""
+        return self.loss_forward[0] + self.loss_forward[1] * samples if samples else 0.0
 
     def backward_time(self, layers: range, samples: float) -> float:
         return sum(self.backward[i][0] + self.backward[i][1] * samples for i in layers)
@@ -136,7 +150,15 @@ class Profile:
             batch_size=raw["batch_size"],
             layers=[LayerProfile(**layer) for layer in raw["layers"]],
             devices={
-                role: DeviceTimes(**{**d, "forward": [tuple(x) for x in d["forward"]], "backward": [tuple(x) for x in d["backward"]]})
+                role: DeviceTimes(
+                    **{
+                        **d,
+                        "forward": [tuple(x) for x in d["forward"]],
+                        "backward": [tuple(x) for x in d["backward"]],
+                        "loss_forward": tuple(d.get("loss_forward", (0.0, 0.0))),
+                        "loss_backward": tuple(d.get("loss_backward", (0.0, 0.0))),
+                    }
+                )
                 for role, d in raw["devices"].items()
             },
             links={name: LinkProfile(**link) for name, link in raw.get("links", {}).items()},
@@ -258,9 +280,12 @@ def profile_layers(
     sizes: tuple[int, int],
     repeats: int = 3,
     progress: str | None = None,
-) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[LayerProfile]]:
+    loss: Optional[tuple[Callable[[Any, Any], Tensor], Any]] = None,
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[LayerProfile], tuple[tuple[float, float], ...]]:
     """Time every layer's forward and backward on ``device`` at two micro-batch ``sizes``, and
-    describe each layer's memory and FLOPs (``LayerProfile``, the same on every device).
+    describe each layer's memory and FLOPs (``LayerProfile``, the same on every device). With
+    ``loss`` (the loss function and the batch's targets), the loss on the last layer's output is
+    timed too (``profile_loss``); the last item returned is its ``(forward, backward)`` fits.
 
     ``inputs`` is a batch of at least ``max(sizes)`` samples; each layer runs on the previous
     layer's output. Each layer visits ``device`` only while it is measured and then goes back
@@ -288,7 +313,31 @@ def profile_layers(
                 layer.train(training)
                 if home is not None:
                     layer.to(home)
-    return forward, backward, described
+    fits = profile_loss(loss[0], x, loss[1], device, sizes, repeats) if loss is not None else ((0.0, 0.0), (0.0, 0.0))
+    return forward, backward, described, fits
+
+
+def profile_loss(
+    loss: Callable[[Any, Any], Tensor], outputs: Any, targets: Any, device: torch.device, sizes: tuple[int, int], repeats: int = 3
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``(forward, backward)`` fits of ``loss(outputs, targets)`` on ``device`` at two micro-batch
+    ``sizes`` (``outputs``: the last layer's, for a batch of at least ``max(sizes)`` samples)."""
+    small, large = sorted(sizes)
+    timed = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for n in (small, large):
+            out, target = _to(_slice(outputs, n), device), _to(_slice(targets, n), device)
+
+            def forward(out: Any = out, target: Any = target) -> Any:
+                with torch.no_grad():
+                    return loss(out, target)
+
+            def both(out: Any = out, target: Any = target) -> None:
+                loss(_requires_grad(out), target).backward()
+
+            t_forward = _median_time(forward, device, repeats)
+            timed.append((t_forward, max(0.0, _median_time(both, device, repeats) - t_forward)))
+    return _fit(small, timed[0][0], large, timed[1][0]), _fit(small, timed[0][1], large, timed[1][1])
 
 
 def _time_layer(layer: nn.Module, inputs: Any, device: torch.device, repeats: int) -> tuple[float, float]:

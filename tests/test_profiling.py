@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lightning_hetero.profiling import DeviceTimes, LayerProfile, Profile, profile_layers, time_link
 
@@ -23,7 +26,7 @@ def mlp(width: int, depth: int = 3) -> list[nn.Module]:
 
 def run(layers: list[nn.Module], batch: int = 64, repeats: int = 5, inputs: torch.Tensor | None = None):
     inputs = torch.randn(batch, 32) if inputs is None else inputs
-    return profile_layers(layers, [f"l{i}" for i in range(len(layers))], inputs, CPU, (batch // 8, batch), repeats)
+    return profile_layers(layers, [f"l{i}" for i in range(len(layers))], inputs, CPU, (batch // 8, batch), repeats)[:3]
 
 
 def per_sample(times: list[tuple[float, float]], samples: int) -> float:
@@ -79,3 +82,21 @@ def test_profile_round_trip(tmp_path: Path) -> None:
 def test_link_fit() -> None:
     link = time_link(lambda buffer: buffer.clone(), CPU, sizes=(1 << 12, 1 << 22))
     assert link.bytes_per_s > 1e8 and link.time(1 << 24) > link.time(1 << 10)
+
+
+def test_the_loss_is_profiled_and_costed_where_the_last_layer_is() -> None:
+    """A loss over many classes costs time of its own: on the last stage (and once more in its
+    replay of the step) and on a CPU worker, never on a stage without the last layer."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4000)]
+    inputs, targets = torch.randn(256, 32), torch.randint(0, 4000, (256,))
+    *_, (forward, backward) = profile_layers(layers, ["a", "b", "c"], inputs, CPU, (32, 256), 3, None, (F.cross_entropy, targets))
+    assert forward[1] > 0 and backward[1] > 0
+    times = DeviceTimes("cpu", 1, [(0.0, 1e-6)] * 3, [(0.0, 1e-6)] * 3, loss_forward=forward, loss_backward=backward)
+    loss_at_64 = sum(a + b * 64 for a, b in (forward, backward))
+    assert times.layer_time(range(2, 3), 64) == pytest.approx(2 * 64e-6 + loss_at_64)
+    assert times.layer_time(range(0, 2), 64) == pytest.approx(4 * 64e-6)
+    assert times.loss_time(64) == pytest.approx(forward[0] + forward[1] * 64) and times.loss_time(0) == 0.0
+    # Saved and loaded with the rest of the profile.
+    profile = Profile(batch_size=256, layers=[], devices={"stage0": times})
+    assert Profile._from_dict(json.loads(json.dumps(asdict(profile)))).devices["stage0"] == times

@@ -23,7 +23,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_hetero.module import inputs_of, layer_names
+from lightning_hetero.module import layer_names, split_inputs_targets
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import Machine, Prediction, explain, plan_run, split_cores
 from lightning_hetero.profiling import (
@@ -92,7 +92,7 @@ class WorkloadAnalyzer(L.Callback):
         module = trainer.lightning_module
         batch = strategy.precision_plugin.convert_input(next(iter(trainer.fit_loop._data_source.dataloader())))
         batch_size = batch_size_of(batch)
-        mine = self._measure(strategy, module, layers, inputs_of(batch), batch_size)
+        mine = self._measure(strategy, module, layers, *split_inputs_targets(batch), batch_size)
         assert strategy.process_groups is not None
         control = strategy.process_groups.control
         parts: Optional[list[Any]] = [None] * dist.get_world_size(control) if strategy.global_rank == 0 else None
@@ -106,7 +106,13 @@ class WorkloadAnalyzer(L.Callback):
         return self.plan
 
     def _measure(
-        self, strategy: "HeteroStrategy", module: nn.Module, layers: list[nn.Module], inputs: Any, batch_size: int
+        self,
+        strategy: "HeteroStrategy",
+        module: nn.Module,
+        layers: list[nn.Module],
+        inputs: Any,
+        targets: Any,
+        batch_size: int,
     ) -> dict[str, Any]:
         """This rank's share of the profile: its device's layer times, and the links it is on."""
         device, role = strategy.root_device, strategy.role
@@ -122,7 +128,10 @@ class WorkloadAnalyzer(L.Callback):
                 names = layer_names(module, layers)
                 trainer = strategy.lightning_module.trainer
                 title = f"Profiling {role} ({device})" if trainer.progress_bar_callback is not None else None
-                forward, backward, described = profile_layers(layers, names, inputs, device, sizes, self.repeats, title)
+                loss = (module.pipeline_loss, targets)
+                forward, backward, described, (loss_forward, loss_backward) = profile_layers(
+                    layers, names, inputs, device, sizes, self.repeats, title, loss
+                )
                 times = DeviceTimes(
                     device=_describe(device),
                     threads=torch.get_num_threads(),
@@ -130,6 +139,8 @@ class WorkloadAnalyzer(L.Callback):
                     backward=backward,
                     optimizer_s_per_param=_optimizer_rate(optimizer, shapes, device, fused_cpu=False),
                     offloaded_s_per_param=_optimizer_rate(optimizer, shapes, torch.device("cpu"), fused_cpu=True),
+                    loss_forward=loss_forward,
+                    loss_backward=loss_backward,
                 )
             dist.barrier(group=control)
         gradient_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
