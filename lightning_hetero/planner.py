@@ -10,6 +10,8 @@ The cost model (all times from the profile, scaled by each device's relative spe
   the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble),
   and then the last stage replays the step method on its outputs (the loss's forward once more);
 - each CPU worker computes its part of the CPU's share with the whole model and the loss;
+- emulated stages compute with the threads the strategy gives them in the layout (all the cores
+  the CPU workers leave when those have no share), faster in proportion to their threads;
 - processes that compute on the CPU (the CPU workers, and emulated stages) share its cores: the
   pipeline and the CPU's share together cannot finish before the thread-seconds they compute,
   spread over every core (a bound that binds only where their threads outnumber the cores, as
@@ -76,6 +78,8 @@ class Machine:
     cpu_threads: Optional[int] = None
     cores: Optional[int] = None
     """Cores the CPU workers and emulated stages share (None: as many as their threads)."""
+    stage_threads: list[int] = field(default_factory=list)
+    """Threads each emulated stage computes with, where not as profiled."""
     sync: LinkProfile = field(default_factory=lambda: _FREE_LINK)
     """Stage <-> CPU workers: the gradient all-reduce."""
     pipeline: LinkProfile = field(default_factory=lambda: _FREE_LINK)
@@ -234,6 +238,34 @@ def _on_cpu(device: str) -> bool:
     return device.split(":")[0] == "cpu"
 
 
+def _threads(profile: Profile, machine: Machine, stage: int) -> int:
+    """The threads a stage computes with on the CPU's cores (0 on a GPU): ``stage_threads``, else
+    as profiled."""
+    if not _on_cpu(machine.stage_names[stage]):
+        return 0
+    return machine.stage_threads[stage] if machine.stage_threads else profile.devices[machine.stages[stage]].threads
+
+
+def _stage_threads(profile: Profile, machine: Machine, cpu_share: bool) -> Machine:
+    """The machine with its emulated stages' threads as the strategy sets them for a layout
+    (``threads_for``): an even split of the cores with the CPU workers, or, where those have no
+    share, of the cores alone. Their speed follows their threads in proportion (an upper bound
+    where they gain threads: memory bandwidth does not grow with threads)."""
+    emulated = [s for s, name in enumerate(machine.stage_names) if _on_cpu(name)]
+    if machine.cores is None or not machine.cpu_workers or not emulated:
+        return machine
+    if cpu_share:
+        each = max(1, machine.cores // (machine.cpu_workers + len(machine.stages)))
+    else:
+        each = max(1, (machine.cores - (len(machine.stages) - len(emulated))) // len(emulated))
+    threads = [each if s in emulated else 0 for s in range(len(machine.stages))]
+    speed = [
+        v * t / profile.devices[role].threads if t else v
+        for v, t, role in zip(machine.stage_speed, threads, machine.stages)
+    ]
+    return replace(machine, stage_speed=speed, stage_threads=threads)
+
+
 def _on_shared_cores(machine: Machine, busy: Sequence[tuple[float, int]]) -> float:
     """The shortest time in which processes busy for ``(seconds, threads on the CPU)`` can all finish
     when they share ``machine.cores``."""
@@ -371,6 +403,7 @@ def predict(
 ) -> Prediction:
     """The cost model's step time for one layout (see the module doc)."""
     cpu_samples = batch_size - pipeline_samples
+    machine = _stage_threads(profile, machine, cpu_share=cpu_samples > 0)
     pipe, slowest = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
     cpu = 0.0
     if cpu_samples and machine.cpu_workers:
@@ -388,7 +421,7 @@ def predict(
     if cpu_samples and machine.cpu_workers:
         cpu_step = sum(stage_params) * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed
     # The threads each process computes with on the CPU's cores: emulated stages, the CPU workers with a share.
-    threads = [profile.devices[role].threads if _on_cpu(name) else 0 for role, name in zip(machine.stages, machine.stage_names)]
+    threads = [_threads(profile, machine, s) for s in range(len(machine.stages))]
     worker_threads = machine.cpu_workers * (machine.cpu_threads or profile.devices["cpu"].threads) if cpu else 0
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     stage_busy = [

@@ -18,6 +18,7 @@ import yaml
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
+from lightning_hetero.callbacks.analyzer import fixed_cost
 from lightning_hetero.planner import main as planner_main
 from lightning_hetero.profiling import Profile
 from tests.conftest import TIMEOUT, hetero, trainer
@@ -123,3 +124,10 @@ def _net() -> L.LightningModule:
     from tests.models import Net
 
     return Net(width=32)
+
+
+def test_the_fixed_cost_leaves_out_what_the_model_predicts() -> None:
+    """Per rank ``(data, wait, optimizer)``: a busy step, then one where an idle CPU worker (rank 0)
+    spends the stage's 40 ms optimizer step waiting between steps, which is not a fixed cost."""
+    assert fixed_cost([(0.003, 0.010, 0.005), (0.002, 0.001, 0.004)]) == pytest.approx(0.003 + 0.001)
+    assert fixed_cost([(0.042, 0.050, 0.0), (0.002, 0.0, 0.040)]) == pytest.approx(0.002)

@@ -169,6 +169,20 @@ def test_processes_on_the_cpu_share_its_cores(cores: int | None) -> None:
         assert plan == plan_run(prof, machine(2), batch)[0]
 
 
+def test_emulated_stages_take_the_cores_of_cpu_workers_without_a_share() -> None:
+    """Profiled at one thread each (two cores, a CPU worker and a stage): with no CPU share the
+    strategy gives the stage both cores, and the model counts it twice as fast."""
+    prof = profile([0.2, 0.3], stages=1)
+    mach = machine(1)
+    mach.cores = 2
+    alone = predict(prof, mach, [(0, 2)], batch_size=16, pipeline_samples=16, micro_batches=1)
+    assert alone.pipeline_s == pytest.approx(0.5 * 16 / 2)
+    shared = predict(prof, mach, [(0, 2)], batch_size=16, pipeline_samples=8, micro_batches=1)
+    assert shared.pipeline_s == pytest.approx(0.5 * 8) and shared.cpu_s == pytest.approx(0.5 * 8)
+    mach.cores = None  # no cores to share: as profiled
+    assert predict(prof, mach, [(0, 2)], 16, 16, 1).pipeline_s == pytest.approx(0.5 * 16)
+
+
 def test_the_bubble_and_memory_are_reported() -> None:
     prof = profile([1.0] * 4, activation=100.0)
     prediction = predict(prof, machine(2), [(0, 2), (2, 4)], batch_size=16, pipeline_samples=16, micro_batches=4)

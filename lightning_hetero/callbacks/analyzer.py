@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -48,6 +49,12 @@ __all__ = ["WorkloadAnalyzer"]
 
 _SCHEDULE_NAMES = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
 _WARMUP_STEPS = 5
+
+
+def fixed_cost(step: Sequence[tuple[float, float, float]]) -> float:
+    """One step's fixed cost from every rank's ``(data, wait, optimizer)`` seconds of it (see
+    ``WorkloadAnalyzer._calibrate``)."""
+    return max(d + o for d, _, o in step) - max(o for _, _, o in step) + min(w for _, w, _ in step)
 
 
 class WorkloadAnalyzer(L.Callback):
@@ -304,14 +311,17 @@ class WorkloadAnalyzer(L.Callback):
         batch load) as it is done between busy processes, so it is taken from the steps after the
         first (which pays one-time costs): per step, the longest time a rank spent between steps,
         plus the shortest time a rank spent sharing the results (the last to arrive waits for no
-        one; the others' extra is the slower side's work, which the model predicts). A fixed cost
-        is the same for every layout, so the plan it chose stays the best one."""
+        one; the others' extra is the slower side's work, which the model predicts). A rank that
+        steps less waits between steps for the others' optimizer steps (the next step starts with a
+        collective), which the model predicts too: so the time between steps is counted with each
+        rank's optimizer step, less the longest one. A fixed cost is the same for every layout, so
+        the plan it chose stays the best one."""
         assert self.prediction is not None and self.profile is not None
         self._calibrated = True
         strategy = trainer.strategy
-        mine = [(r.data, r.wait) for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
+        mine = [(r.data, r.wait, r.optimizer) for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
         ranks = strategy.gather(mine)
-        per_step = [max(d for d, _ in step) + min(w for _, w in step) for step in zip(*ranks)]
+        per_step = [fixed_cost(step) for step in zip(*ranks)]
         if not per_step:
             return
         self.profile.step_overhead_s = statistics.median(per_step)
