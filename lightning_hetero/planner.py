@@ -468,10 +468,20 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
     u = profile.batch_size / plan.micro_batches
     header = f"{'layer':<24} {'params':>10} " + " ".join(f"{role + ' ms':>12}" for role in roles) + "  placed on"
     rows = [header, "-" * len(header)]
+    last = len(profile.layers) - 1
+
+    def block_time(role: str, i: int) -> float:  # without the loss, which has its own row
+        times = profile.devices[role]
+        return times.layer_time(range(i, i + 1), u) - (times.loss_step_time(u) if i == last else 0.0)
+
     for i, layer in enumerate(profile.layers):
-        times = " ".join(f"{profile.devices[role].layer_time(range(i, i + 1), u) * 1e3:12.3f}" for role in roles)
+        times = " ".join(f"{block_time(role, i) * 1e3:12.3f}" for role in roles)
         where = f"stage {stage_of[i]} ({plan.stages[stage_of[i]]})" if i in stage_of else "-"
         rows.append(f"{layer.name[:24]:<24} {layer.params:>10} {times}  {where}")
+    if profile.layers:
+        times = " ".join(f"{profile.devices[role].loss_step_time(u) * 1e3:12.3f}" for role in roles)
+        where = f"stage {stage_of[last]} ({plan.stages[stage_of[last]]})" if last in stage_of else "-"
+        rows.append(f"{'(pipeline_loss)':<24} {0:>10} {times}  {where}")
     rows.append("")
     rows.append(
         f"predicted step {prediction.step_s * 1e3:.2f} ms (pipeline {prediction.pipeline_s * 1e3:.2f}, CPU"

@@ -315,6 +315,8 @@ class HeteroStrategy(ParallelStrategy):
         threads = threads_for(self.role, self.topology, usable_cores(), self._cpu_threads, self._cpu_fraction > 0)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+            if self._overlap is not None:
+                self._overlap.set_threads(threads)
 
     @property
     def micro_batches(self) -> int:

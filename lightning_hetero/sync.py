@@ -352,6 +352,12 @@ class OverlappedSync:
         for done in getattr(self, "_done", []):
             done.cancel()
 
+    def set_threads(self, threads: int) -> None:
+        """Give the sum and step threads ``threads`` torch threads from their next call on (a
+        thread keeps the count it first computed with; the strategy changes it with the CPU fraction)."""
+        self._starter.submit(torch.set_num_threads, threads)
+        self._stepper.submit(torch.set_num_threads, threads)
+
     def close(self) -> None:
         """Remove the hooks and stop the threads (the strategy's teardown)."""
         for handle in self._hooks.values():

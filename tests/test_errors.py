@@ -286,3 +286,32 @@ def test_a_batch_that_cannot_be_read_beforehand_is_left_to_the_processes() -> No
     assert peek_batch(DataLoader(Stream(), batch_size=4)) is None
     assert peek_batch(DataLoader(Broken(), batch_size=4)) is None
     assert peek_batch(DataLoader(LazyFile(), batch_size=None))[0].shape == (3,)
+
+
+class DictBatches(Net):
+    """Batches of dicts, made into `(inputs, targets)` by a batch-transfer hook."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch["x"], batch["y"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        lambda: fit(DictBatches(), data=DataLoader([{"x": x, "y": y} for x, y in zip(X, Y)], batch_size=4)),
+        lambda: fit(val=loader(X, Y, shuffle=True), limit_val_batches=0),
+    ],
+    ids=["reshaped-by-a-hook", "validation-off"],
+)
+def test_what_the_processes_would_accept_is_not_refused_beforehand(case: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.multiprocessing as mp
+
+    class Started(Exception):
+        pass
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        raise Started
+
+    monkeypatch.setattr(mp, "start_processes", started)
+    with pytest.raises(Started):
+        case()

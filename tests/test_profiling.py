@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_hetero.profiling import DeviceTimes, LayerProfile, Profile, profile_layers, time_link
+from lightning_hetero.profiling import DeviceTimes, LayerProfile, Profile, profile_layers, profile_loss, time_link
 
 CPU = torch.device("cpu")
 
@@ -100,3 +100,19 @@ def test_the_loss_is_profiled_and_costed_where_the_last_layer_is() -> None:
     # Saved and loaded with the rest of the profile.
     profile = Profile(batch_size=256, layers=[], devices={"stage0": times})
     assert Profile._from_dict(json.loads(json.dumps(asdict(profile)))).devices["stage0"] == times
+
+
+def test_a_loss_with_structured_targets_is_timed_and_a_failing_one_counts_as_free() -> None:
+    outputs, targets = torch.randn(64, 10), {"label": torch.randint(0, 10, (64,)), "weight": torch.rand(64)}
+
+    def weighted(output: torch.Tensor, target: dict) -> torch.Tensor:
+        return (F.cross_entropy(output, target["label"], reduction="none") * target["weight"]).mean()
+
+    forward, backward = profile_loss(weighted, outputs, targets, CPU, (8, 64))
+    assert forward[0] + forward[1] * 64 > 0 and backward[0] + backward[1] * 64 > 0
+
+    def broken(output: torch.Tensor, target: dict) -> torch.Tensor:
+        raise KeyError("label")
+
+    with pytest.warns(UserWarning, match="could not time `pipeline_loss`"):
+        assert profile_loss(broken, outputs, targets, CPU, (8, 64)) == ((0.0, 0.0), (0.0, 0.0))

@@ -77,6 +77,9 @@ class RecordThreads(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.threads.append(torch.get_num_threads())
+        overlap = trainer.strategy._overlap
+        if overlap is not None:  # fine mode's step thread follows too
+            assert overlap._stepper.submit(torch.get_num_threads).result() == self.threads[-1]
         if batch_idx == 0:
             trainer.strategy.set_cpu_fraction(0.0)
 
@@ -84,8 +87,9 @@ class RecordThreads(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.threads))
 
 
-def test_an_emulated_stage_takes_the_cores_of_an_idle_cpu_worker(tmp_path: Path) -> None:
-    strategy = HeteroStrategy(stages=["cpu"], cpu_workers=1, cpu_fraction=0.5, start_method="fork", timeout=60)
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_an_emulated_stage_takes_the_cores_of_an_idle_cpu_worker(tmp_path: Path, mode: str) -> None:
+    strategy = HeteroStrategy(stages=["cpu"], cpu_workers=1, cpu_fraction=0.5, mode=mode, start_method="fork", timeout=60)
     trainer(strategy, max_steps=2, callbacks=[RecordThreads(tmp_path)]).fit(Net(), regression_data())
     threads = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     cores = usable_cores()
