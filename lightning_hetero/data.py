@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
@@ -79,14 +78,14 @@ def with_workers(dataloader: object, workers: int) -> object:
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-def check_before_launch(trainer: "pl.Trainer", args: Sequence[Any]) -> None:
+def check_before_launch(trainer: "pl.Trainer", model: "pl.LightningModule", args: Sequence[Any]) -> None:
     """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
     the launcher: the model, then the loaders) as every process would at its first batch. Skipped
     where the model reshapes its batches in a batch-transfer hook (the processes see the result),
     and for a validation loader the fit will not use."""
-    fn, model = trainer.state.fn, args[0] if args and isinstance(args[0], LightningModule) else trainer.lightning_module
-    if model is None or any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
+    if any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
         return
+    fn = trainer.state.fn
     if fn == TrainerFn.FITTING:
         loaders = [(RunningStage.TRAINING, args[1] if len(args) > 1 else None)]
         if is_overridden("validation_step", model) and trainer.limit_val_batches != 0:

@@ -332,8 +332,8 @@ class HeteroLauncher(_Launcher):
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
-        if trainer is not None:
-            check_before_launch(trainer, args)
+        if trainer is not None and model is not None:
+            check_before_launch(trainer, model, args)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as error:  # a process ended without a Python error to tell why

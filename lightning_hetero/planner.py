@@ -230,8 +230,12 @@ def pipeline_time(
         StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) + _send(profile, machine, b[1], u)
         for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
     )
-    replay = profile.devices[machine.stages[-1]].loss_time(samples) / machine.stage_speed[-1]
-    return (micro_batches + len(bounds) - 1) * slowest + replay, slowest
+    return (micro_batches + len(bounds) - 1) * slowest + _replay_time(profile, machine, samples), slowest
+
+
+def _replay_time(profile: Profile, machine: Machine, samples: int) -> float:
+    """The last stage's replay of the step method on the pipeline's ``samples``: the loss's forward."""
+    return profile.devices[machine.stages[-1]].loss_forward_time(samples) / machine.stage_speed[-1]
 
 
 def _on_cpu(device: str) -> bool:
@@ -429,7 +433,7 @@ def predict(
         for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
     ]
     if u:  # the last stage's replay
-        stage_busy[-1] += profile.devices[machine.stages[-1]].loss_time(pipeline_samples) / machine.stage_speed[-1]
+        stage_busy[-1] += _replay_time(profile, machine, pipeline_samples)
     cores = _on_shared_cores(machine, [*zip(stage_busy, threads), (cpu, worker_threads)])
     optimizer = max(*stage_steps, cpu_step, _on_shared_cores(machine, [*zip(stage_steps, threads), (cpu_step, worker_threads)]))
     tail = sync + optimizer

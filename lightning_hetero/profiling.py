@@ -96,7 +96,7 @@ class DeviceTimes:
         """The loss's forward and backward for a micro-batch of ``samples``."""
         return sum(fit[0] + fit[1] * samples for fit in (self.loss_forward, self.loss_backward))
 
-    def loss_time(self, samples: float) -> float:
+    def loss_forward_time(self, samples: float) -> float:
         """The loss's forward alone, as the last stage computes it once more when it replays the
         module's step method on the pipeline's outputs."""
         return self.loss_forward[0] + self.loss_forward[1] * samples if samples else 0.0

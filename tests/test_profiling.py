@@ -96,7 +96,7 @@ def test_the_loss_is_profiled_and_costed_where_the_last_layer_is() -> None:
     loss_at_64 = sum(a + b * 64 for a, b in (forward, backward))
     assert times.layer_time(range(2, 3), 64) == pytest.approx(2 * 64e-6 + loss_at_64)
     assert times.layer_time(range(0, 2), 64) == pytest.approx(4 * 64e-6)
-    assert times.loss_time(64) == pytest.approx(forward[0] + forward[1] * 64) and times.loss_time(0) == 0.0
+    assert times.loss_forward_time(64) == pytest.approx(forward[0] + forward[1] * 64) and times.loss_forward_time(0) == 0.0
     # Saved and loaded with the rest of the profile.
     profile = Profile(batch_size=256, layers=[], devices={"stage0": times})
     assert Profile._from_dict(json.loads(json.dumps(asdict(profile)))).devices["stage0"] == times
