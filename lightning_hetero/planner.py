@@ -11,11 +11,13 @@ The cost model (all times from the profile, scaled by each device's relative spe
   and then the last stage replays the step method on its outputs (the loss's forward once more);
 - each CPU worker computes its part of the CPU's share with the whole model and the loss;
 - emulated stages compute with the threads the strategy gives them in the layout (all the cores
-  the CPU workers leave when those have no share), faster in proportion to their threads;
+  the CPU workers leave when those have no share), as much faster as measured with those threads;
 - processes that compute on the CPU (the CPU workers, and emulated stages) share its cores: the
-  pipeline and the CPU's share together cannot finish before the thread-seconds they compute,
-  spread over every core (a bound that binds only where their threads outnumber the cores, as
-  three one-thread processes on two cores do);
+  stages' forwards and backwards (in the schedule's order, each after its neighbour's) and the CPU
+  workers' shares are played out together, and while the running ones want more threads than
+  the cores' worth those processes were measured to get when they all computed at once (fewer
+  than the cores where they slow each other down through caches and memory), each runs that much
+  slower (``share_cores``);
 - the gradient sum costs one all-reduce per stage over the sync link (none when the CPU's share
   is 0: an idle CPU worker does not take part), and the optimizer steps run in parallel (sharing
   the cores in the same way);
@@ -40,6 +42,7 @@ from typing import Literal, Optional
 
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
+from lightning_hetero.shares import split_batch
 
 __all__ = [
     "Machine",
@@ -47,11 +50,16 @@ __all__ = [
     "StageCosts",
     "partition",
     "pipeline_time",
+    "pipeline_tasks",
+    "Task",
+    "share_cores",
     "choose_offload",
     "offload_plan",
     "split_cores",
     "plan_run",
     "predict",
+    "predict_plan",
+    "step_method_rate",
     "explain",
     "hypothetical_machine",
     "main",
@@ -78,6 +86,9 @@ class Machine:
     cpu_threads: Optional[int] = None
     cores: Optional[int] = None
     """Cores the CPU workers and emulated stages share (None: as many as their threads)."""
+    shared_cores: dict[str, float] = field(default_factory=dict)
+    """The cores' worth they get when they compute at once, as measured (``Profile.shared_cores``);
+    absent: ``cores``."""
     stage_threads: list[int] = field(default_factory=list)
     """Threads each emulated stage computes with, where not as profiled."""
     sync: LinkProfile = field(default_factory=lambda: _FREE_LINK)
@@ -100,6 +111,7 @@ class Machine:
             memory=[profile.device_memory.get(r) for r in stages],
             cpu_workers=cpu_workers,
             cores=profile.cpu_cores,
+            shared_cores=dict(profile.shared_cores),
             sync=profile.links.get("sync", _FREE_LINK),
             pipeline=profile.links.get("pipeline", _FREE_LINK),
             d2h=profile.links.get("d2h", _FREE_LINK),
@@ -119,8 +131,8 @@ class Prediction:
     memory: list[float]
     """Bytes per stage: parameters, gradients, device optimizer state, activations in flight."""
     cores_s: float = 0.0
-    """The shortest time the pipeline's and the CPU's shares take on the cores they share (see the
-    module doc); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
+    """The time the pipeline's and the CPU's shares take together on the cores they share
+    (``share_cores``); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
     overhead_s: float = 0.0
     """The profile's fixed cost per step, included in ``step_s``."""
 
@@ -234,8 +246,21 @@ def pipeline_time(
 
 
 def _replay_time(profile: Profile, machine: Machine, samples: int) -> float:
-    """The last stage's replay of the step method on the pipeline's ``samples``: the loss's forward."""
-    return profile.devices[machine.stages[-1]].loss_forward_time(samples) / machine.stage_speed[-1]
+    """The last stage's replay of the step method on the pipeline's ``samples``: the loss's forward,
+    and the method's own work."""
+    loss = profile.devices[machine.stages[-1]].loss_forward_time(samples) / machine.stage_speed[-1]
+    return loss + profile.step_method_s_per_sample * samples if samples else 0.0
+
+
+def _layout(profile: Profile, machine: Machine, cpu_share: bool) -> tuple[Machine, list[int], Optional[float]]:
+    """For a layout with a CPU share or without: the machine with its emulated stages' threads
+    (``_stage_threads``), the threads each process computes with on the CPU's cores (the stages',
+    then the CPU workers' where they have a share), and the cores' worth those get together."""
+    machine = _stage_threads(profile, machine, cpu_share)
+    threads = [_threads(profile, machine, s) for s in range(len(machine.stages))]
+    if cpu_share:
+        threads += [machine.cpu_threads or profile.devices["cpu"].threads] * machine.cpu_workers
+    return machine, threads, machine.shared_cores.get("shared" if cpu_share else "stages", machine.cores)
 
 
 def _on_cpu(device: str) -> bool:
@@ -253,8 +278,7 @@ def _threads(profile: Profile, machine: Machine, stage: int) -> int:
 def _stage_threads(profile: Profile, machine: Machine, cpu_share: bool) -> Machine:
     """The machine with its emulated stages' threads as the strategy sets them for a layout
     (``threads_for``): an even split of the cores with the CPU workers, or, where those have no
-    share, of the cores alone. Their speed follows their threads in proportion (an upper bound
-    where they gain threads: memory bandwidth does not grow with threads)."""
+    share, of the cores alone. Their speed follows their threads as measured (``thread_speedup``)."""
     emulated = [s for s, name in enumerate(machine.stage_names) if _on_cpu(name)]
     if machine.cores is None or not machine.cpu_workers or not emulated:
         return machine
@@ -264,18 +288,104 @@ def _stage_threads(profile: Profile, machine: Machine, cpu_share: bool) -> Machi
         each = max(1, (machine.cores - (len(machine.stages) - len(emulated))) // len(emulated))
     threads = [each if s in emulated else 0 for s in range(len(machine.stages))]
     speed = [
-        v * t / profile.devices[role].threads if t else v
+        v * profile.devices[role].thread_speedup(t) if t else v
         for v, t, role in zip(machine.stage_speed, threads, machine.stages)
     ]
     return replace(machine, stage_speed=speed, stage_threads=threads)
 
 
-def _on_shared_cores(machine: Machine, busy: Sequence[tuple[float, int]]) -> float:
-    """The shortest time in which processes busy for ``(seconds, threads on the CPU)`` can all finish
-    when they share ``machine.cores``."""
-    if machine.cores is None:
-        return 0.0
-    return sum(seconds * threads for seconds, threads in busy) / machine.cores
+@dataclass
+class Task:
+    """A stretch of one process's work: ``seconds`` as measured alone, begun once every task in
+    ``after`` (``(process, task index, delay)``: that task's end, plus the delay) is over."""
+
+    seconds: float
+    after: list[tuple[int, int, float]] = field(default_factory=list)
+
+
+def share_cores(processes: Sequence[Sequence[Task]], threads: Sequence[int], cores: Optional[float]) -> float:
+    """When the last of ``processes`` (each a sequence of tasks run in order) is done, if those
+    with ``threads`` on the CPU share ``cores`` of it: while the running processes want more threads
+    than that, each runs at that share of its speed alone (and never faster than alone: a process
+    cannot use the cores the others leave idle beyond its own threads). Processes without threads
+    (driving a GPU) run at their speed alone; with ``cores`` None, every process does."""
+    done: list[list[float]] = [[] for _ in processes]
+    left = [tasks[0].seconds if tasks else 0.0 for tasks in processes]
+    now = 0.0
+    while True:
+        running, starts = [], []
+        for i, tasks in enumerate(processes):
+            if len(done[i]) == len(tasks):
+                continue
+            ready = [done[j][k] + delay if k < len(done[j]) else math.inf for j, k, delay in tasks[len(done[i])].after]
+            begin = max(ready, default=0.0)
+            if begin <= now:
+                running.append(i)
+            elif begin < math.inf:
+                starts.append(begin)
+        if not running:
+            if not starts:
+                break
+            now = min(starts)
+            continue
+        demand = sum(threads[i] for i in running)
+        share = cores / demand if cores and demand > cores else 1.0
+        speed = {i: share if threads[i] else 1.0 for i in running}
+        step = min([left[i] / speed[i] for i in running] + [t - now for t in starts])
+        now += step
+        for i in running:
+            left[i] -= step * speed[i]
+            if left[i] <= 1e-12 * (1.0 + processes[i][len(done[i])].seconds):
+                done[i].append(now)
+                left[i] = processes[i][len(done[i])].seconds if len(done[i]) < len(processes[i]) else 0.0
+    if any(len(d) < len(tasks) for d, tasks in zip(done, processes)):
+        raise ValueError("The tasks wait for each other in a cycle.")
+    return now
+
+
+def _schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """A stage's forwards (``"F"``) and backwards (``"B"``) by micro-batch, in the schedule's order:
+    GPipe's all forwards then all backwards, or 1F1B's warm-up forwards, then one of each."""
+    if schedule.lower() != "1f1b":
+        return [("F", k) for k in range(micro_batches)] + [("B", k) for k in range(micro_batches)]
+    warmup = min(micro_batches, stages - stage - 1)
+    order = [("F", k) for k in range(warmup)]
+    for k in range(micro_batches - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    return order + [("B", k) for k in range(micro_batches - warmup, micro_batches)]
+
+
+def pipeline_tasks(
+    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], samples: int, micro_batches: int, schedule: str
+) -> list[list[Task]]:
+    """Each stage's work for the pipeline's ``samples`` as tasks (``share_cores``): its forwards and
+    backwards in the schedule's order, each after the neighbouring stage's for the same
+    micro-batch and the send between them, and the last stage's replay at the end."""
+    if not samples:
+        return [[] for _ in bounds]
+    u, stages = samples / micro_batches, len(bounds)
+    orders = [_schedule_order(schedule, s, stages, micro_batches) for s in range(stages)]
+    position = [{op: n for n, op in enumerate(order)} for order in orders]
+    sends = [machine.pipeline.time(profile.layers[stop - 1].output_bytes * u) for _, stop in bounds]
+    processes = []
+    for s, (role, speed, (start, stop)) in enumerate(zip(machine.stages, machine.stage_speed, bounds)):
+        times, last = profile.devices[role], s == stages - 1
+        loss_forward = times.loss_forward_time(u) if last else 0.0
+        loss_backward = times.loss_step_time(u) - loss_forward if last else 0.0
+        seconds = {
+            "F": (times.forward_time(range(start, stop), u) + loss_forward) / speed,
+            "B": (times.backward_time(range(start, stop), u) + loss_backward) / speed,
+        }
+        tasks = []
+        for kind, k in orders[s]:
+            if kind == "F":
+                after = [(s - 1, position[s - 1][("F", k)], sends[s - 1])] if s else []
+            else:
+                after = [(s + 1, position[s + 1][("B", k)], sends[s])] if not last else []
+            tasks.append(Task(seconds[kind], after))
+        processes.append(tasks)
+    processes[-1].append(Task(_replay_time(profile, machine, samples)))
+    return processes
 
 
 def choose_offload(
@@ -395,6 +505,17 @@ def _largest_divisor(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
+def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_size: Optional[int] = None) -> Prediction:
+    """The cost model's step time for the layout ``plan`` describes (at the profile's batch size
+    unless told), as ``plan_run`` predicts it."""
+    batch_size = batch_size or profile.batch_size
+    names = [layer.name for layer in profile.layers]
+    bounds = plan.cut(names) or partition(profile, machine, batch_size / plan.micro_batches, plan.micro_batches, plan.schedule)
+    shares = split_batch(batch_size, plan.cpu_fraction, plan.cpu_workers, plan.micro_batches)
+    steps = shares.micro_batches or plan.micro_batches
+    return predict(profile, machine, bounds, batch_size, shares.pipeline_size, steps, plan.mode, plan.schedule)
+
+
 def predict(
     profile: Profile,
     machine: Machine,
@@ -407,35 +528,30 @@ def predict(
 ) -> Prediction:
     """The cost model's step time for one layout (see the module doc)."""
     cpu_samples = batch_size - pipeline_samples
-    machine = _stage_threads(profile, machine, cpu_share=cpu_samples > 0)
+    share = bool(cpu_samples and machine.cpu_workers)
+    machine, threads, capacity = _layout(profile, machine, share)
     pipe, slowest = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
     cpu = 0.0
-    if cpu_samples and machine.cpu_workers:
+    if share:
         per_worker = math.ceil(cpu_samples / machine.cpu_workers)
         cpu = profile.devices["cpu"].layer_time(range(len(profile.layers)), per_worker) / machine.cpu_speed
+        cpu += profile.step_method_s_per_sample * per_worker
     stage_params = [sum(profile.layers[i].params for i in range(*b)) for b in bounds]
     stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
     # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
-    sync = sum(machine.sync.time(n) for n in stage_bytes) if cpu_samples and machine.cpu_workers else 0.0
+    sync = sum(machine.sync.time(n) for n in stage_bytes) if share else 0.0
     stage_steps = [
         n * profile.devices[role].optimizer_s_per_param / speed
         for n, role, speed in zip(stage_params, machine.stages, machine.stage_speed)
     ]
     cpu_step = 0.0
-    if cpu_samples and machine.cpu_workers:
+    if share:
         cpu_step = sum(stage_params) * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed
-    # The threads each process computes with on the CPU's cores: emulated stages, the CPU workers with a share.
-    threads = [_threads(profile, machine, s) for s in range(len(machine.stages))]
-    worker_threads = machine.cpu_workers * (machine.cpu_threads or profile.devices["cpu"].threads) if cpu else 0
+    workers = machine.cpu_workers if share else 0
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
-    stage_busy = [
-        micro_batches * StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) if u else 0.0
-        for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
-    ]
-    if u:  # the last stage's replay
-        stage_busy[-1] += _replay_time(profile, machine, pipeline_samples)
-    cores = _on_shared_cores(machine, [*zip(stage_busy, threads), (cpu, worker_threads)])
-    optimizer = max(*stage_steps, cpu_step, _on_shared_cores(machine, [*zip(stage_steps, threads), (cpu_step, worker_threads)]))
+    tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
+    cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
+    optimizer = share_cores([[Task(t)] for t in stage_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
@@ -460,6 +576,16 @@ def predict(
         memory=memory,
         overhead_s=profile.step_overhead_s,
     )
+
+
+def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, replay_s: float, samples: float) -> float:
+    """Per sample, the step method's work beyond the model and its loss, from a last stage's replay
+    of it on ``samples`` that took ``replay_s`` in the layout ``plan`` describes (the loss's
+    forward, at the layout's threads, taken out). Where the replay shared the cores with other
+    processes' work, that slowdown stays in: an estimate on the safe side."""
+    layout, _, _ = _layout(profile, machine, cpu_share=plan.cpu_fraction > 0 and machine.cpu_workers > 0)
+    loss = profile.devices[layout.stages[-1]].loss_forward_time(samples) / layout.stage_speed[-1]
+    return max(0.0, replay_s - loss) / samples
 
 
 def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured_step_s: Optional[float] = None) -> str:

@@ -17,7 +17,8 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -43,6 +44,9 @@ __all__ = [
     "time_optimizer",
     "profile_loss",
     "time_link",
+    "step_work",
+    "time_window",
+    "kept_buffers",
     "all_reduce_over",
     "gradient_sum_over",
     "optimizer_state_factor",
@@ -80,6 +84,18 @@ class DeviceTimes:
     """The module's ``pipeline_loss`` on the last layer's output: forward ..."""
     loss_backward: tuple[float, float] = (0.0, 0.0)
     """... and backward, like a layer's."""
+    step_s_by_threads: dict[int, float] = field(default_factory=dict)
+    """A CPU device's time for the whole model's training compute on half the batch, by the
+    threads it had (those it computes with in each layout): how its speed follows its threads."""
+
+    def thread_speedup(self, threads: int) -> float:
+        """How many times as fast with ``threads`` as profiled: as measured where both counts
+        were, else in proportion to the threads (an upper bound: memory bandwidth does not grow
+        with them)."""
+        measured = self.step_s_by_threads
+        if threads in measured and self.threads in measured:
+            return measured[self.threads] / measured[threads]
+        return threads / self.threads
 
     def layer_time(self, layers: range, samples: float) -> float:
         """Forward and backward of ``layers`` for a micro-batch of ``samples``; where ``layers`` end
@@ -100,6 +116,9 @@ class DeviceTimes:
         """The loss's forward alone, as the last stage computes it once more when it replays the
         module's step method on the pipeline's outputs."""
         return self.loss_forward[0] + self.loss_forward[1] * samples if samples else 0.0
+
+    def forward_time(self, layers: range, samples: float) -> float:
+        return sum(self.forward[i][0] + self.forward[i][1] * samples for i in layers)
 
     def backward_time(self, layers: range, samples: float) -> float:
         return sum(self.backward[i][0] + self.backward[i][1] * samples for i in layers)
@@ -137,6 +156,15 @@ class Profile:
     hooks and logging) and sharing the step's results between the ranks. ``WorkloadAnalyzer``
     first estimates it from the batch load and the exchange alone, then measures it in the run's
     first steps."""
+    step_method_s_per_sample: float = 0.0
+    """The module's step method beyond the model and its loss (metrics, logging), per sample:
+    the last stage pays it when it replays the method on the pipeline's share, a CPU worker with
+    its own. ``WorkloadAnalyzer`` measures it in the run's first steps."""
+    shared_cores: dict[str, float] = field(default_factory=dict)
+    """The cores' worth that the processes computing on the CPU got when they computed at once
+    (measured; they can get less than the cores, as they share caches and memory bandwidth):
+    ``"shared"``, every CPU worker and emulated stage (layouts with a CPU share); ``"stages"``, the
+    emulated stages alone (layouts without). Absent: as many as the cores."""
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the profile as JSON, whole or not at all (``atomic_write``)."""
@@ -164,6 +192,7 @@ class Profile:
                         "backward": [tuple(x) for x in d["backward"]],
                         "loss_forward": tuple(d.get("loss_forward", (0.0, 0.0))),
                         "loss_backward": tuple(d.get("loss_backward", (0.0, 0.0))),
+                        "step_s_by_threads": {int(n): t for n, t in d.get("step_s_by_threads", {}).items()},
                     }
                 )
                 for role, d in raw["devices"].items()
@@ -173,6 +202,8 @@ class Profile:
             cpu_cores=raw.get("cpu_cores", 1),
             device_memory=raw.get("device_memory", {}),
             step_overhead_s=raw.get("step_overhead_s", 0.0),
+            step_method_s_per_sample=raw.get("step_method_s_per_sample", 0.0),
+            shared_cores=raw.get("shared_cores", {}),
         )
 
 
@@ -296,13 +327,14 @@ def profile_layers(
 
     ``inputs`` is a batch of at least ``max(sizes)`` samples; each layer runs on the previous
     layer's output. Each layer visits ``device`` only while it is measured and then goes back
-    where it was, in the mode it was in; the random number generators are left as they were.
-    With ``progress``, a progress bar of that title counts the layers.
+    where it was, in the mode it was in; the random number generators and the layers' buffers
+    (running statistics) are left as they were. With ``progress``, a progress bar of that title
+    counts the layers.
     """
     small, large = sorted(sizes)
     forward, backward, described = [], [], []
     x = inputs
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), kept_buffers(layers):
         bar = tqdm(zip(layers, names), total=len(layers), desc=progress, disable=progress is None, leave=False)
         for layer, name in bar:
             home = next(itertools.chain((t.device for t in layer.parameters()), (t.device for t in layer.buffers())), None)
@@ -397,6 +429,49 @@ def time_optimizer(
         param.grad = torch.randn_like(param)
     optimizer = optimizer_cls(params, lr=1e-3, **kwargs)
     return _median_time(optimizer.step, device, repeats) / max(1, total)
+
+
+@contextmanager
+def kept_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Put the modules' buffers (BatchNorm's running statistics, say) back as they were afterwards:
+    a forward in training mode for a measurement must not count as training."""
+    saved = [b.detach().clone() for module in modules for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # the buffers as they are now: moving a module replaces its tensors
+            for buffer, value in zip((b for module in modules for b in module.buffers()), saved):
+                buffer.copy_(value)
+
+
+def step_work(layers: Sequence[nn.Module], loss: Callable[[Any, Any], Tensor], inputs: Any, targets: Any) -> Callable[[], None]:
+    """One training step's compute on ``inputs``: the layers' forward, the loss and the backward to
+    the parameters, whose gradients are returned and dropped, never accumulated. Call it inside
+    ``kept_buffers`` and ``torch.random.fork_rng`` to leave no trace."""
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+
+    def work() -> None:
+        value = loss(run_layers(layers, _requires_grad(inputs)), targets)
+        if params and value.requires_grad:
+            torch.autograd.grad(value, params, allow_unused=True)
+
+    return work
+
+
+def time_window(work: Callable[[], Any], seconds: float, start: Callable[[], Any] = lambda: None) -> float:
+    """Seconds per call of ``work`` run back to back for at least ``seconds``: after a warm-up call
+    and ``start()`` (a barrier, so that processes measure at the same time), the calls that ended
+    within the window over the time they took (the first call's time if none did). Processes that
+    share the window compute together for all of it; a call that runs past it is not counted, as
+    the others may have stopped by then."""
+    work()
+    start()
+    begin, ends = time.perf_counter(), []
+    while not ends or ends[-1] < seconds:
+        work()
+        ends.append(time.perf_counter() - begin)
+    within = [end for end in ends if end <= seconds]
+    return within[-1] / len(within) if within else ends[0]
 
 
 def time_link(

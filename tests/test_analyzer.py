@@ -66,6 +66,11 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
     profile = Profile.load(logs / "profile.json")
     assert [layer.name for layer in profile.layers] == [f"layers.{i}" for i in range(len(profile.layers))]
     assert {"cpu", "stage0"} <= set(profile.devices)
+    # How the processes on the CPU's cores share them, measured in both kinds of layout.
+    assert set(profile.shared_cores) == {"shared", "stages"}
+    assert all(0 < cores <= profile.cpu_cores for cores in profile.shared_cores.values())
+    assert all(profile.devices[role].step_s_by_threads for role in ("cpu", "stage0", "stage1"))
+    assert profile.step_method_s_per_sample >= 0
     explanation = (logs / "explain.txt").read_text()
     assert "layers.0" in explanation and "predicted" in explanation and "measured" in explanation
 

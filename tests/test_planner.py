@@ -11,10 +11,15 @@ from lightning_hetero.planner import (
     Machine,
     choose_offload,
     offload_plan,
+    Task,
     partition,
+    pipeline_tasks,
     plan_run,
     predict,
+    predict_plan,
+    share_cores,
     split_cores,
+    step_method_rate,
 )
 from lightning_hetero.profiling import DeviceTimes, LayerProfile, LinkProfile, Profile
 
@@ -138,35 +143,83 @@ def test_a_cpu_far_slower_than_the_pipeline_gets_nothing() -> None:
     assert plan.cpu_fraction == 0.0 and prediction.sync_s == 0.0 and prediction.cpu_s == 0.0
 
 
+@pytest.mark.parametrize(
+    "processes, threads, cores, expected",
+    [
+        ([[1.0], [1.0]], [1, 1], 1, 2.0),  # two on one core: each at half speed
+        ([[1.0], [1.0]], [1, 1], 2, 1.0),  # a core each
+        ([[1.0], [1.0], [1.0]], [1, 1, 1], 2, 1.5),  # three on two cores: two thirds each
+        ([[1.0], [1.0], [1.0]], [1, 1, 1], 1.8, 1 / 0.6),  # measured to get 1.8 cores' worth together
+        ([[2.0], [1.0]], [1, 1], 2, 2.0),  # one thread cannot use the core the other leaves
+        ([[2.0], [1.0], [1.0]], [1, 1, 1], 2, 2.5),  # 1.5 s of sharing, then a core each
+        ([[1.0], [1.0]], [0, 1], 1, 1.0),  # a GPU's process takes no core
+        ([[1.0], [1.0]], [1, 1], None, 1.0),  # nothing shared
+    ],
+)
+def test_processes_share_the_cores(processes, threads, cores, expected) -> None:
+    tasks = [[Task(seconds) for seconds in p] for p in processes]
+    assert share_cores(tasks, threads, cores) == pytest.approx(expected)
+
+
+def test_tasks_wait_for_the_tasks_they_follow() -> None:
+    # Process 1's task starts half a second after process 0's first ends, then runs alone.
+    tasks = [[Task(1.0), Task(1.0)], [Task(1.0, after=[(0, 0, 0.5)])]]
+    assert share_cores(tasks, [1, 1], 1) == pytest.approx(3.0)  # 0-1: p0; 1-1.5: p0; 1.5-2.5 shared; 2.5-3 p1
+    with pytest.raises(ValueError, match="cycle"):
+        share_cores([[Task(1.0, after=[(1, 0, 0.0)])], [Task(1.0, after=[(0, 0, 0.0)])]], [1, 1], None)
+
+
+@pytest.mark.parametrize("schedule, micro_batches", [("GPipe", 1), ("GPipe", 4), ("1F1B", 2), ("1F1B", 4)])
+def test_pipeline_tasks_follow_the_schedule(schedule: str, micro_batches: int) -> None:
+    """Equal stages with nothing shared: the schedule takes (m + p - 1) micro-batches of a stage,
+    as the fill-drain bound says; the replay comes after."""
+    prof = profile([0.25] * 6, stages=3)
+    tasks = pipeline_tasks(prof, machine(3), [(0, 2), (2, 4), (4, 6)], 12, micro_batches, schedule)
+    assert [len(t) for t in tasks] == [2 * micro_batches] * 2 + [2 * micro_batches + 1]
+    assert share_cores(tasks, [1, 1, 1], None) == pytest.approx((micro_batches + 2) * 0.5 * 12 / micro_batches)
+
+
 @pytest.mark.parametrize("cores", [None, 2, 3])
 def test_processes_on_the_cpu_share_its_cores(cores: int | None) -> None:
     """Two emulated stages and a CPU worker, one thread each: on two cores the three cannot all run
-    at full speed, and the step is bounded by their thread-seconds over the cores."""
+    at full speed, so the CPU's share is no longer free; on three, as if nothing were shared."""
     per_sample, batch = [0.2, 0.3, 0.1, 0.4], 16
     prof = profile(per_sample, optimizer_s_per_param=1e-4)
     mach = machine(2)
     mach.cores = cores
-
-    def step(m: int, pipeline: int) -> float:
-        bounds = partition(prof, mach, 1, 1)
-        per_stage = [sum(per_sample[a:b]) * pipeline for a, b in bounds]  # each stage's busy time
-        pipe = (m + 1) * max(per_stage) / m if pipeline else 0.0
-        cpu = sum(per_sample) * (batch - pipeline)
-        steps = [sum(prof.layers[i].params for i in range(a, b)) * 1e-4 for a, b in bounds]
-        cpu_step = sum(steps) if cpu else 0.0
-        if cores is None:
-            return max(pipe, cpu) + max(*steps, cpu_step)
-        return max(pipe, cpu, (sum(per_stage) + cpu) / cores) + max(*steps, cpu_step, (sum(steps) + cpu_step) / cores)
-
-    best = min(step(m, p) for m in range(1, 9) for p in range(0, batch + 1, m))
     plan, prediction = plan_run(prof, mach, batch, max_micro_batches=8)
-    assert prediction.step_s == pytest.approx(best)
-    assert step(plan.micro_batches, round((1 - plan.cpu_fraction) * batch)) == pytest.approx(best)
+    free_plan, free = plan_run(prof, machine(2), batch, max_micro_batches=8)
+    pipeline = round((1 - plan.cpu_fraction) * batch)
+    bounds = plan.cut([layer.name for layer in prof.layers])
+    tasks = pipeline_tasks(prof, mach, bounds, pipeline, plan.micro_batches, "GPipe")
+    cpu = sum(per_sample) * (batch - pipeline)
+    together = share_cores(tasks + ([[Task(cpu)]] if cpu else []), [1, 1, 1][: 2 + bool(cpu)], cores)
+    assert prediction.cores_s == pytest.approx(together)
+    assert prediction.step_s == pytest.approx(max(prediction.pipeline_s, cpu, together) + prediction.optimizer_s)
     if cores == 2:  # the shared cores bind: the CPU's share no longer comes free
-        assert prediction.cores_s == pytest.approx(max(prediction.pipeline_s, prediction.cpu_s, prediction.cores_s))
-        assert plan_run(prof, machine(2), batch)[1].step_s < prediction.step_s
-    if cores == 3:  # a core each: the same plan as with no bound
-        assert plan == plan_run(prof, machine(2), batch)[0]
+        free_bounds = free_plan.cut([layer.name for layer in prof.layers])
+        shared = round((1 - free_plan.cpu_fraction) * batch)
+        as_if_free = predict(prof, mach, free_bounds, batch, shared, free_plan.micro_batches)
+        assert as_if_free.cores_s > max(as_if_free.pipeline_s, as_if_free.cpu_s)
+        assert free.step_s < prediction.step_s <= as_if_free.step_s
+        assert plan != free_plan
+    else:  # a core each: the same plan as with nothing shared
+        assert plan == free_plan and prediction.step_s == pytest.approx(free.step_s)
+
+
+@pytest.mark.parametrize("cpu_slowdown", [1.0, 50.0])
+def test_the_step_methods_own_work_is_paid_per_sample(cpu_slowdown: float) -> None:
+    """Measured on a last stage's replay, it is charged to the replay and to the CPU's share."""
+    prof = profile([0.2, 0.3, 0.1, 0.4], cpu_slowdown=cpu_slowdown)
+    mach = machine(2)
+    plan, before = plan_run(prof, mach, 16)
+    assert predict_plan(prof, mach, plan) == before  # the plan's layout, predicted again
+    prof.step_method_s_per_sample = step_method_rate(prof, mach, plan, replay_s=0.8, samples=8)
+    assert prof.step_method_s_per_sample == pytest.approx(0.1)  # this loss is free
+    after = predict_plan(prof, mach, plan)
+    pipeline = round((1 - plan.cpu_fraction) * 16)
+    assert after.pipeline_s == pytest.approx(before.pipeline_s + 0.1 * pipeline)
+    assert after.cpu_s == pytest.approx(before.cpu_s + (0.1 * (16 - pipeline) if before.cpu_s else 0.0))
 
 
 def test_emulated_stages_take_the_cores_of_cpu_workers_without_a_share() -> None:

@@ -11,7 +11,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_hetero.profiling import DeviceTimes, LayerProfile, Profile, profile_layers, profile_loss, time_link
+from lightning_hetero.profiling import (
+    DeviceTimes,
+    LayerProfile,
+    Profile,
+    kept_buffers,
+    profile_layers,
+    profile_loss,
+    step_work,
+    time_link,
+    time_window,
+)
 
 CPU = torch.device("cpu")
 
@@ -55,7 +65,7 @@ def test_repeated_profiles_agree() -> None:
 
 
 def test_profiling_leaves_layers_and_random_state_as_they_were() -> None:
-    layers = mlp(64)
+    layers = [*mlp(64), nn.BatchNorm1d(64)]  # in training mode: its forward moves its running statistics
     for layer in layers[:3]:
         layer.eval()
     before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
@@ -70,10 +80,55 @@ def test_profiling_leaves_layers_and_random_state_as_they_were() -> None:
         assert all(p.grad is None and p.device == CPU for p in layer.parameters())
 
 
+def test_a_training_steps_compute_leaves_no_trace() -> None:
+    """The contention probe runs the whole model's forward, loss and backward: no gradient is
+    accumulated, no running statistic or random generator moves."""
+    layers = [*mlp(64), nn.BatchNorm1d(64)]
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+    inputs, targets = torch.randn(16, 32), torch.randn(16, 64)
+    work = step_work(layers, F.mse_loss, inputs, targets)
+    rng = torch.get_rng_state()
+    with torch.random.fork_rng(devices=[]), kept_buffers(layers):
+        work()
+        work()
+    assert torch.equal(torch.get_rng_state(), rng)
+    for layer, state in zip(layers, before):
+        assert all(torch.equal(state[k], v) for k, v in layer.state_dict().items())
+        assert all(p.grad is None for p in layer.parameters())
+
+
+def test_a_window_counts_the_calls_that_end_inside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = {"now": 0.0, "started": None}
+    monkeypatch.setattr("lightning_hetero.profiling.time.perf_counter", lambda: clock["now"])
+
+    def work(seconds: float = 0.1) -> None:
+        clock["now"] += seconds
+
+    def start() -> None:
+        clock["started"] = clock["now"]
+
+    assert time_window(work, 0.35, start) == pytest.approx(0.1)  # three calls inside, the fourth past it
+    assert clock["started"] == pytest.approx(0.1)  # after the warm-up call
+    assert time_window(lambda: work(1.0), 0.35) == pytest.approx(1.0)  # none inside: the first call
+
+
+def test_speed_follows_threads_as_measured() -> None:
+    times = DeviceTimes("cpu", 1, [], [], step_s_by_threads={1: 0.3, 2: 0.2})
+    assert times.thread_speedup(2) == pytest.approx(1.5) and times.thread_speedup(1) == 1.0
+    assert times.thread_speedup(4) == 4.0  # not measured: in proportion
+
+
 def test_profile_round_trip(tmp_path: Path) -> None:
     forward, backward, layers = run(mlp(16))
-    devices = {"cpu": DeviceTimes("cpu", 1, forward, backward, 1e-9, 5e-10)}
-    profile = Profile(batch_size=64, layers=layers, devices=devices, step_overhead_s=0.001)
+    devices = {"cpu": DeviceTimes("cpu", 1, forward, backward, 1e-9, 5e-10, step_s_by_threads={1: 0.2, 2: 0.12})}
+    profile = Profile(
+        batch_size=64,
+        layers=layers,
+        devices=devices,
+        step_overhead_s=0.001,
+        step_method_s_per_sample=1e-4,
+        shared_cores={"shared": 1.8, "stages": 2.0},
+    )
     loaded = Profile.load(profile.save(tmp_path / "profile.json"))
     assert loaded == profile
     assert isinstance(loaded.layers[0], LayerProfile)

@@ -26,21 +26,25 @@ from torch import nn
 
 from lightning_hetero.module import layer_names, split_inputs_targets
 from lightning_hetero.plan import HeteroPlan
-from lightning_hetero.planner import Machine, Prediction, explain, plan_run, split_cores
+from lightning_hetero.planner import Machine, Prediction, explain, plan_run, predict_plan, split_cores, step_method_rate
 from lightning_hetero.profiling import (
     DeviceTimes,
     LinkProfile,
     Profile,
     all_reduce_over,
     gradient_sum_over,
+    kept_buffers,
     optimizer_state_factor,
     profile_layers,
+    step_work,
     time_link,
     time_optimizer,
+    time_window,
 )
+from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
-from lightning_hetero.topology import usable_cores
-from lightning_hetero.workers import batch_size_of
+from lightning_hetero.topology import threads_for, usable_cores
+from lightning_hetero.workers import batch_size_of, slice_batch
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -66,6 +70,9 @@ class WorkloadAnalyzer(L.Callback):
         measure_steps: training steps (after a warm-up of five, in which the fixed cost per step is
             measured) whose median step time is logged beside the predicted one.
         memory_fraction: the share of each GPU's memory the planner may fill.
+        contention_s: seconds the processes that compute on the CPU's cores (CPU workers, emulated
+            stages) run a training step's compute together, and each alone, to measure how much of
+            the cores they get when they share them (at least four steps' worth).
         save_dir: where ``plan.yaml``, ``profile.json`` and ``explain.txt`` go (default: the
             trainer's log directory).
     """
@@ -76,9 +83,11 @@ class WorkloadAnalyzer(L.Callback):
         max_micro_batches: int = 8,
         measure_steps: int = 20,
         memory_fraction: float = 0.9,
+        contention_s: float = 0.3,
         save_dir: Optional[str] = None,
     ) -> None:
         self.repeats = repeats
+        self.contention_s = contention_s
         self.max_micro_batches = max_micro_batches
         self.measure_steps = measure_steps
         self.memory_fraction = memory_fraction
@@ -128,6 +137,7 @@ class WorkloadAnalyzer(L.Callback):
         optimizer = optimizer[0] if optimizer else None
         shapes = [p.shape for layer in layers for p in layer.parameters() if p.requires_grad]
         control = strategy.process_groups.control  # type: ignore[union-attr]
+        sharing = self._sharing(strategy)
         # One rank at a time: processes that share the CPU's cores (CPU workers, emulated stages,
         # every GPU stage's host thread) would otherwise measure each other.
         for turn in range(dist.get_world_size(control)):
@@ -139,6 +149,8 @@ class WorkloadAnalyzer(L.Callback):
                 forward, backward, described, (loss_forward, loss_backward) = profile_layers(
                     layers, names, inputs, device, sizes, self.repeats, title, loss
                 )
+                step = self._step_work(module, layers, inputs, targets, batch_size)
+                alone = {layout: self._with_threads(n, lambda: time_window(step, self.contention_s)) for layout, n in sharing.items()}
                 times = DeviceTimes(
                     device=_describe(device),
                     threads=torch.get_num_threads(),
@@ -148,8 +160,10 @@ class WorkloadAnalyzer(L.Callback):
                     offloaded_s_per_param=_optimizer_rate(optimizer, shapes, torch.device("cpu"), fused_cpu=True),
                     loss_forward=loss_forward,
                     loss_backward=loss_backward,
+                    step_s_by_threads={sharing[layout]: seconds for layout, seconds in alone.items()},
                 )
             dist.barrier(group=control)
+        together = self._together(control, step, sharing, alone)
         gradient_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
         links = self._measure_links(strategy, sum(layer.param_bytes for layer in described), gradient_bytes)
         exchange_s = self._exchange_time(strategy)
@@ -164,7 +178,61 @@ class WorkloadAnalyzer(L.Callback):
             "memory": memory,
             "state_factor": optimizer_state_factor(optimizer),
             "exchange_s": exchange_s,
+            "node": strategy.node_rank,
+            "sharing": {layout: (sharing[layout], alone[layout], together[layout]) for layout in sharing},
         }
+
+    @staticmethod
+    def _sharing(strategy: "HeteroStrategy") -> dict[str, int]:
+        """The layouts in which this rank computes on the CPU's cores, with its threads in each
+        (``threads_for``): ``"shared"``, where the CPU workers have a share of the batch (every CPU
+        worker and emulated stage computes), and ``"stages"``, where they have none (the emulated
+        stages compute alone, with the CPU workers' cores)."""
+        if strategy.root_device.type != "cpu":
+            return {}
+        role, topology, cores = strategy.role, strategy.topology, usable_cores()
+        layouts = {"shared": threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=True)}
+        if role.is_stage:
+            layouts["stages"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=False)
+        return layouts
+
+    def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any, batch_size: int) -> Any:
+        """The whole model's training compute on half the batch (see ``step_work``), leaving no trace."""
+        n = max(1, batch_size // 2)
+        work = step_work(layers, module.pipeline_loss, slice_batch(inputs, 0, n), slice_batch(targets, 0, n))
+
+        def traceless() -> None:
+            with torch.random.fork_rng(devices=[]), kept_buffers(layers):
+                work()
+
+        return traceless
+
+    @staticmethod
+    def _with_threads(threads: int, measure: Any) -> float:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure()
+        finally:
+            torch.set_num_threads(before)
+
+    def _together(
+        self, control: dist.ProcessGroup, step: Any, sharing: dict[str, int], alone: dict[str, float]
+    ) -> dict[str, float]:
+        """Seconds per step of the compute when the ranks of each layout (``_sharing``) run it at
+        once, in a window as long as four of the slowest rank's steps alone (collective)."""
+        longest = torch.tensor([max(alone.values(), default=0.0)], dtype=torch.float64)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control)
+        window = max(self.contention_s, 4 * float(longest))
+        together = {}
+        for layout in ("shared", "stages"):
+            start = lambda: dist.barrier(group=control)  # noqa: E731
+            if layout in sharing:
+                together[layout] = self._with_threads(sharing[layout], lambda: time_window(step, window, start))
+            else:
+                start()
+            dist.barrier(group=control)
+        return together
 
     def _exchange_time(self, strategy: "HeteroStrategy", repeats: int = 10) -> float:
         """Seconds to share a step's results (loss and a few logged values) between the ranks, all
@@ -225,14 +293,13 @@ class WorkloadAnalyzer(L.Callback):
             cpu_cores=usable_cores(),
             device_memory=memory,
             step_overhead_s=load_s + max(part["exchange_s"] for part in parts),
+            shared_cores=_shared_cores(parts, usable_cores()),
         )
         topology = strategy.topology
-        machine = Machine.as_profiled(profile, [str(d) for d in topology.stage_devices], topology.cpu_workers)
-        machine.cpu_threads = strategy._cpu_threads
         schedule = _SCHEDULE_NAMES.get(strategy._schedule.__name__, strategy._schedule.__name__)
         plan, prediction = plan_run(
             profile,
-            machine,
+            _machine(strategy, profile),
             batch_size,
             mode=strategy.mode,
             schedule=schedule,
@@ -316,16 +383,24 @@ class WorkloadAnalyzer(L.Callback):
         collective), which the model predicts too: so the time between steps is counted with each
         rank's optimizer step, less the longest one. A fixed cost is the same for every layout, so
         the plan it chose stays the best one."""
-        assert self.prediction is not None and self.profile is not None
+        assert self.prediction is not None and self.profile is not None and self.plan is not None
         self._calibrated = True
         strategy = trainer.strategy
-        mine = [(r.data, r.wait, r.optimizer) for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
-        ranks = strategy.gather(mine)
-        per_step = [fixed_cost(step) for step in zip(*ranks)]
+        records = [r for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
+        mine = [(r.data, r.wait, r.optimizer) for r in records]
+        # The last stage's replay of the step method: what the profile cannot time beyond the loss.
+        replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
+        ranks = strategy.gather((mine, replays))
+        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _ in ranks))]
         if not per_step:
             return
         self.profile.step_overhead_s = statistics.median(per_step)
-        self.prediction = self.prediction.with_overhead(self.profile.step_overhead_s)
+        replayed = [replay for _, replays in ranks for replay in replays]
+        machine = _machine(strategy, self.profile)
+        if replayed:
+            seconds, samples = statistics.median(s for s, _ in replayed), statistics.median(n for _, n in replayed)
+            self.profile.step_method_s_per_sample = step_method_rate(self.profile, machine, self.plan, seconds, samples)
+        self.prediction = predict_plan(self.profile, machine, self.plan)
         directory = self._directory(trainer)
         if trainer.is_global_zero:
             self.profile.save(directory / "profile.json")
@@ -342,6 +417,31 @@ class WorkloadAnalyzer(L.Callback):
         if trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+
+def _replayed(record: StepRecord) -> float:
+    """Seconds of a last stage's step spent replaying the step method (its ``compute`` spans)."""
+    return sum(end - start for kind, start, end in record.spans if kind == "compute")
+
+
+def _machine(strategy: "HeteroStrategy", profile: Profile) -> Machine:
+    """The machine the run is on, as profiled."""
+    topology = strategy.topology
+    machine = Machine.as_profiled(profile, [str(d) for d in topology.stage_devices], topology.cpu_workers)
+    machine.cpu_threads = strategy._cpu_threads
+    return machine
+
+
+def _shared_cores(parts: list[dict[str, Any]], cores: int) -> dict[str, float]:
+    """Per layout, the cores' worth the first node's ranks that compute on its CPU got together:
+    each rank's threads, times its speed together over its speed alone (``_together``); never
+    more than the node's ``cores`` (a machine whose speed drifts can seem to give more)."""
+    worth: dict[str, float] = {}
+    for part in parts:
+        if part["node"] == 0:
+            for layout, (threads, alone, together) in part["sharing"].items():
+                worth[layout] = worth.get(layout, 0.0) + threads * alone / together
+    return {layout: min(value, cores) for layout, value in worth.items()}
 
 
 def _describe(device: torch.device) -> str:
