@@ -85,7 +85,7 @@ class DeviceTimes:
     loss_backward: tuple[float, float] = (0.0, 0.0)
     """... and backward, like a layer's."""
     step_s_by_threads: dict[int, float] = field(default_factory=dict)
-    """A CPU device's time for the whole model's training compute on half the batch, by the
+    """A CPU device's time for the whole model's training compute on the batch, by the
     threads it had (those it computes with in each layout): how its speed follows its threads."""
 
     def thread_speedup(self, threads: int) -> float:

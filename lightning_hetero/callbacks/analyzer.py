@@ -44,7 +44,7 @@ from lightning_hetero.profiling import (
 from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
 from lightning_hetero.topology import threads_for, usable_cores
-from lightning_hetero.workers import batch_size_of, slice_batch
+from lightning_hetero.workers import batch_size_of
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -149,7 +149,7 @@ class WorkloadAnalyzer(L.Callback):
                 forward, backward, described, (loss_forward, loss_backward) = profile_layers(
                     layers, names, inputs, device, sizes, self.repeats, title, loss
                 )
-                step = self._step_work(module, layers, inputs, targets, batch_size)
+                step = self._step_work(module, layers, inputs, targets)
                 alone = {layout: self._with_threads(n, lambda: time_window(step, self.contention_s)) for layout, n in sharing.items()}
                 times = DeviceTimes(
                     device=_describe(device),
@@ -196,10 +196,11 @@ class WorkloadAnalyzer(L.Callback):
             layouts["stages"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=False)
         return layouts
 
-    def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any, batch_size: int) -> Any:
-        """The whole model's training compute on half the batch (see ``step_work``), leaving no trace."""
-        n = max(1, batch_size // 2)
-        work = step_work(layers, module.pipeline_loss, slice_batch(inputs, 0, n), slice_batch(targets, 0, n))
+    def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any) -> Any:
+        """The whole model's training compute on the batch (see ``step_work``), leaving no trace:
+        the batch, as an emulated stage computes it where it gains threads (a layout without a CPU
+        share), since how much threads help depends on the size of the work."""
+        work = step_work(layers, module.pipeline_loss, inputs, targets)
 
         def traceless() -> None:
             with torch.random.fork_rng(devices=[]), kept_buffers(layers):
