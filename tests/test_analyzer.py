@@ -14,11 +14,13 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 import yaml
+from torch import nn
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
-from lightning_hetero.callbacks.analyzer import fixed_cost
+from lightning_hetero.callbacks.analyzer import _shared_cores, fixed_cost
 from lightning_hetero.planner import main as planner_main
 from lightning_hetero.profiling import Profile
 from tests.conftest import TIMEOUT, hetero, trainer
@@ -136,3 +138,23 @@ def test_the_fixed_cost_leaves_out_what_the_model_predicts() -> None:
     spends the stage's 40 ms optimizer step waiting between steps, which is not a fixed cost."""
     assert fixed_cost([(0.003, 0.010, 0.005), (0.002, 0.001, 0.004)]) == pytest.approx(0.003 + 0.001)
     assert fixed_cost([(0.042, 0.050, 0.0), (0.002, 0.0, 0.040)]) == pytest.approx(0.002)
+
+
+def test_a_probe_that_cannot_run_leaves_the_cores_as_they_are() -> None:
+    """A layout some rank could not measure keeps the nominal cores; a model whose loss the probe
+    cannot run this way warns instead of failing the fit."""
+    parts = [
+        {"node": 0, "sharing": {"shared": (1, 0.1, 0.15), "stages": (1, 0.1, None)}},
+        {"node": 0, "sharing": {"shared": (1, 0.1, 0.15), "stages": (1, 0.1, 0.12)}},
+        {"node": 1, "sharing": {"shared": (1, 0.1, 0.5)}},  # another node's cores
+    ]
+    assert _shared_cores(parts, 2) == {"shared": pytest.approx(2 / 1.5)}
+    assert _shared_cores([{"node": 0, "sharing": {"shared": (2, 0.1, 0.09)}}], 2) == {"shared": 2}  # never more
+
+    class Unmeasurable(nn.Module):
+        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("needs the trainer")
+
+    with pytest.warns(UserWarning, match="could not run a training step"):
+        step = WorkloadAnalyzer()._step_work(Unmeasurable(), [nn.Linear(4, 4)], torch.randn(2, 4), torch.randn(2, 4))
+    assert step is None

@@ -21,7 +21,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_hetero.module import layer_names, split_inputs_targets
@@ -149,8 +149,11 @@ class WorkloadAnalyzer(L.Callback):
                 forward, backward, described, (loss_forward, loss_backward) = profile_layers(
                     layers, names, inputs, device, sizes, self.repeats, title, loss
                 )
-                step = self._step_work(module, layers, inputs, targets)
-                alone = {layout: self._with_threads(n, lambda: time_window(step, self.contention_s)) for layout, n in sharing.items()}
+                step = self._step_work(module, layers, inputs, targets) if sharing else None
+                alone = {
+                    layout: self._with_threads(n, lambda: time_window(step, self.contention_s)) if step else None
+                    for layout, n in sharing.items()
+                }
                 times = DeviceTimes(
                     device=_describe(device),
                     threads=torch.get_num_threads(),
@@ -160,7 +163,7 @@ class WorkloadAnalyzer(L.Callback):
                     offloaded_s_per_param=_optimizer_rate(optimizer, shapes, torch.device("cpu"), fused_cpu=True),
                     loss_forward=loss_forward,
                     loss_backward=loss_backward,
-                    step_s_by_threads={sharing[layout]: seconds for layout, seconds in alone.items()},
+                    step_s_by_threads={sharing[layout]: seconds for layout, seconds in alone.items() if seconds},
                 )
             dist.barrier(group=control)
         together = self._together(control, step, sharing, alone)
@@ -196,16 +199,22 @@ class WorkloadAnalyzer(L.Callback):
             layouts["stages"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=False)
         return layouts
 
-    def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any) -> Any:
+    def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any) -> Optional[Any]:
         """The whole model's training compute on the batch (see ``step_work``), leaving no trace:
         the batch, as an emulated stage computes it where it gains threads (a layout without a CPU
-        share), since how much threads help depends on the size of the work."""
+        share), since how much threads help depends on the size of the work. None, with a
+        warning, where it cannot run this way (the cores then count as they are)."""
         work = step_work(layers, module.pipeline_loss, inputs, targets)
 
         def traceless() -> None:
             with torch.random.fork_rng(devices=[]), kept_buffers(layers):
                 work()
 
+        try:
+            traceless()
+        except Exception as error:  # a measurement's detail: never worth failing the fit for
+            rank_zero_warn(f"WorkloadAnalyzer could not run a training step's compute on its own ({error!r}).")
+            return None
         return traceless
 
     @staticmethod
@@ -218,19 +227,20 @@ class WorkloadAnalyzer(L.Callback):
             torch.set_num_threads(before)
 
     def _together(
-        self, control: dist.ProcessGroup, step: Any, sharing: dict[str, int], alone: dict[str, float]
-    ) -> dict[str, float]:
+        self, control: dist.ProcessGroup, step: Optional[Any], sharing: dict[str, int], alone: dict[str, Optional[float]]
+    ) -> dict[str, Optional[float]]:
         """Seconds per step of the compute when the ranks of each layout (``_sharing``) run it at
         once, in a window as long as four of the slowest rank's steps alone (collective)."""
-        longest = torch.tensor([max(alone.values(), default=0.0)], dtype=torch.float64)
+        longest = torch.tensor([max((a for a in alone.values() if a), default=0.0)], dtype=torch.float64)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control)
         window = max(self.contention_s, 4 * float(longest))
         together = {}
         for layout in ("shared", "stages"):
             start = lambda: dist.barrier(group=control)  # noqa: E731
-            if layout in sharing:
+            if layout in sharing and step is not None:
                 together[layout] = self._with_threads(sharing[layout], lambda: time_window(step, window, start))
             else:
+                together[layout] = None
                 start()
             dist.barrier(group=control)
         return together
@@ -438,11 +448,15 @@ def _shared_cores(parts: list[dict[str, Any]], cores: int) -> dict[str, float]:
     each rank's threads, times its speed together over its speed alone (``_together``); never
     more than the node's ``cores`` (a machine whose speed drifts can seem to give more)."""
     worth: dict[str, float] = {}
+    unmeasured = set()
     for part in parts:
         if part["node"] == 0:
             for layout, (threads, alone, together) in part["sharing"].items():
-                worth[layout] = worth.get(layout, 0.0) + threads * alone / together
-    return {layout: min(value, cores) for layout, value in worth.items()}
+                if alone and together:
+                    worth[layout] = worth.get(layout, 0.0) + threads * alone / together
+                else:
+                    unmeasured.add(layout)
+    return {layout: min(value, cores) for layout, value in worth.items() if layout not in unmeasured}
 
 
 def _describe(device: torch.device) -> str:
