@@ -40,9 +40,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
+import torch
+
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
 from lightning_hetero.shares import split_batch
+from lightning_hetero.topology import Topology, threads_for
 
 __all__ = [
     "Machine",
@@ -282,11 +285,11 @@ def _stage_threads(profile: Profile, machine: Machine, cpu_share: bool) -> Machi
     emulated = [s for s, name in enumerate(machine.stage_names) if _on_cpu(name)]
     if machine.cores is None or not machine.cpu_workers or not emulated:
         return machine
-    if cpu_share:
-        each = max(1, machine.cores // (machine.cpu_workers + len(machine.stages)))
-    else:
-        each = max(1, (machine.cores - (len(machine.stages) - len(emulated))) // len(emulated))
-    threads = [each if s in emulated else 0 for s in range(len(machine.stages))]
+    topology = Topology(cpu_workers=machine.cpu_workers, stage_devices=tuple(torch.device(n) for n in machine.stage_names))
+    threads = [
+        threads_for(topology.role(machine.cpu_workers + s), topology, machine.cores, cpu_share=cpu_share) if s in emulated else 0
+        for s in range(len(machine.stages))
+    ]
     speed = [
         v * profile.devices[role].thread_speedup(t) if t else v
         for v, t, role in zip(machine.stage_speed, threads, machine.stages)

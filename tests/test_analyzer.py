@@ -158,3 +158,23 @@ def test_a_probe_that_cannot_run_leaves_the_cores_as_they_are() -> None:
     with pytest.warns(UserWarning, match="could not run a training step"):
         step = WorkloadAnalyzer()._step_work(Unmeasurable(), [nn.Linear(4, 4)], torch.randn(2, 4), torch.randn(2, 4))
     assert step is None
+
+
+def test_the_cores_are_probed_only_where_processes_share_them() -> None:
+    """With GPU stages and one CPU worker, nothing else computes on the CPU's cores: no probe (it
+    would run the whole batch on the CPU at start-up for nothing). Emulated stages probe both."""
+    from types import SimpleNamespace
+
+    from lightning_hetero.topology import Topology
+
+    def sharing(stages: tuple[str, ...], cpu_workers: int, local_rank: int) -> dict[str, int]:
+        topology = Topology(cpu_workers=cpu_workers, stage_devices=tuple(torch.device(s) for s in stages))
+        role = topology.role(local_rank)
+        device = topology.local_devices[local_rank]
+        return WorkloadAnalyzer._sharing(SimpleNamespace(root_device=device, role=role, topology=topology, _cpu_threads=None))
+
+    assert sharing(("cuda:0", "cuda:1"), 1, 0) == {}  # the one CPU worker
+    assert sharing(("cuda:0", "cuda:1"), 1, 1) == {}  # a GPU stage
+    assert set(sharing(("cuda:0",), 2, 0)) == {"shared"}  # two CPU workers share the cores
+    assert set(sharing(("cpu", "cpu"), 1, 0)) == {"shared"}
+    assert set(sharing(("cpu", "cpu"), 1, 2)) == {"shared", "stages"}

@@ -188,13 +188,17 @@ class WorkloadAnalyzer(L.Callback):
     @staticmethod
     def _sharing(strategy: "HeteroStrategy") -> dict[str, int]:
         """The layouts in which this rank computes on the CPU's cores, with its threads in each
-        (``threads_for``): ``"shared"``, where the CPU workers have a share of the batch (every CPU
-        worker and emulated stage computes), and ``"stages"``, where they have none (the emulated
-        stages compute alone, with the CPU workers' cores)."""
+        (``threads_for``), where measuring them tells the planner something: ``"shared"``, where
+        the CPU workers have a share of the batch (every CPU worker and emulated stage computes),
+        if the node has more than one such process to share the cores; and ``"stages"``, where
+        they have none (the emulated stages compute alone, with the CPU workers' cores)."""
         if strategy.root_device.type != "cpu":
             return {}
         role, topology, cores = strategy.role, strategy.topology, usable_cores()
-        layouts = {"shared": threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=True)}
+        on_cpu = topology.cpu_workers + sum(d.type == "cpu" for d in topology.stage_devices)
+        layouts = {}
+        if on_cpu > 1:
+            layouts["shared"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=True)
         if role.is_stage:
             layouts["stages"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=False)
         return layouts
@@ -294,17 +298,17 @@ class WorkloadAnalyzer(L.Callback):
                 links.setdefault(name, link)
             if part["memory"] is not None:
                 memory[part["role"]] = part["memory"]
-        load_s = self._load_time(trainer)
+        load_s, cores = self._load_time(trainer), usable_cores()
         profile = Profile(
             batch_size=batch_size,
             layers=parts[0]["layers"],
             devices=devices,
             links=links,
             optimizer_state_factor=parts[0]["state_factor"],
-            cpu_cores=usable_cores(),
+            cpu_cores=cores,
             device_memory=memory,
             step_overhead_s=load_s + max(part["exchange_s"] for part in parts),
-            shared_cores=_shared_cores(parts, usable_cores()),
+            shared_cores=_shared_cores(parts, cores),
         )
         topology = strategy.topology
         schedule = _SCHEDULE_NAMES.get(strategy._schedule.__name__, strategy._schedule.__name__)
@@ -382,8 +386,9 @@ class WorkloadAnalyzer(L.Callback):
             rank_zero_info(f"WorkloadAnalyzer, predicted vs measured:\n{table}")
 
     def _calibrate(self, trainer: L.Trainer) -> None:
-        """Measure the fixed cost per step in the first steps, and put it in the prediction (and the
-        profile) in place of the estimate made before training.
+        """Measure in the first steps what the profile cannot see, the fixed cost per step and the
+        step method's own work, put them in the profile (the fixed cost in place of the estimate
+        made before training), and predict the plan's layout again with them.
 
         The profile cannot see the training loop's own work (Lightning's hooks and logging, the
         batch load) as it is done between busy processes, so it is taken from the steps after the
@@ -392,8 +397,9 @@ class WorkloadAnalyzer(L.Callback):
         one; the others' extra is the slower side's work, which the model predicts). A rank that
         steps less waits between steps for the others' optimizer steps (the next step starts with a
         collective), which the model predicts too: so the time between steps is counted with each
-        rank's optimizer step, less the longest one. A fixed cost is the same for every layout, so
-        the plan it chose stays the best one."""
+        rank's optimizer step, less the longest one. The step method's own work (metrics, logging)
+        is the last stage's replay of it, less the loss's forward (``step_method_rate``). Both are
+        the same for every layout, so the plan it chose stays the best one."""
         assert self.prediction is not None and self.profile is not None and self.plan is not None
         self._calibrated = True
         strategy = trainer.strategy
