@@ -1,9 +1,11 @@
 """How well the workload analyzer predicts, and how good its plans are, on emulated stages.
 
 For each model and layout, a run with ``WorkloadAnalyzer`` profiles, plans and trains; the
-analyzer's predicted step time is compared with the step it then measures (the strategy's own
-step, as the analyzer logs it) and with the wall time of a whole training iteration (the same plus
-Lightning's loop). Beside it, in the same run, the same model trains with the strategy's default
+analyzer's predicted step time (after its warm-up, which measures the fixed cost per step, the
+step method's own work and the optimizer steps in the run) is compared with the step it then
+measures (the strategy's own step, as the analyzer logs it) and with the wall time of a whole
+training iteration (the same plus Lightning's loop). "planned" is the prediction the plan was chosen
+by, made before training from the profile alone. Beside it, in the same run, the same model trains with the strategy's default
 layout and with plain Lightning in one process, so the plan's worth is a ratio measured side by
 side. Configurations alternate; medians over repeats are reported.
 
@@ -39,6 +41,7 @@ class AnalyzerReport(L.Callback):
         analyzer = next(cb for cb in trainer.callbacks if isinstance(cb, WorkloadAnalyzer))
         if trainer.global_rank == 0 and analyzer.prediction is not None and analyzer.plan is not None:
             report = {
+                "planned": analyzer.plan.predicted_step_s,
                 "predicted": analyzer.prediction.step_s,
                 "measured": analyzer.measured_step_s,
                 "plan": f"{analyzer.plan.micro_batches} mb, cpu {analyzer.plan.cpu_fraction:.2f}",
@@ -47,6 +50,7 @@ class AnalyzerReport(L.Callback):
 
 
 Case = tuple[str, Callable[[], L.LightningModule], DataLoader, int]
+WARMUP = 10
 
 
 def token_loader(samples: int, batch_size: int, vocab: int = 2000, context: int = 64) -> DataLoader:
@@ -87,7 +91,7 @@ def cases(steps: int) -> list[Case]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help=f"per run; the analyzer's warm-up takes {WARMUP}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--recipes", action="store_true", help="the recipes' models instead of the synthetic ones")
     args = parser.parse_args()
@@ -99,7 +103,7 @@ def main() -> None:
     def planned(model: Callable[[], L.LightningModule], loader: DataLoader, stages: int, into: list) -> list[float]:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "report.json"
-            analyzer = WorkloadAnalyzer(measure_steps=args.steps - 8, save_dir=tmp)
+            analyzer = WorkloadAnalyzer(warmup_steps=WARMUP, measure_steps=args.steps - WARMUP - 3, save_dir=tmp)
             times = step_times(strategy(stages), model(), loader, args.steps, callbacks=[analyzer, AnalyzerReport(out)])
             into.append(json.loads(out.read_text()))
             return times
@@ -113,20 +117,21 @@ def main() -> None:
             samples["default"] += step_times(strategy(stages), model(), loader, args.steps)
             samples["plain"] += step_times(None, model(), loader, args.steps)
         wall = {key: statistics.median(times) for key, times in samples.items()}
+        before = statistics.median(r["planned"] for r in reports)
         predicted = statistics.median(r["predicted"] for r in reports)
         measured = statistics.median(r["measured"] for r in reports)
-        rows.append((name, stages, reports[-1]["plan"], predicted, measured, wall))
+        rows.append((name, stages, reports[-1]["plan"], before, predicted, measured, wall))
         print(f"done: {name}, {stages} stage(s)", flush=True)
 
     print(f"\n{torch.get_num_threads()} threads; {args.steps} steps per run, {args.repeats} repeats; times in ms")
     header = (
-        f"{'model':26s} {'stages':>6s} {'plan':>16s} {'predicted':>9s} {'measured':>8s} {'error':>6s}"
+        f"{'model':26s} {'stages':>6s} {'plan':>16s} {'planned':>7s} {'predicted':>9s} {'measured':>8s} {'error':>6s}"
         f" {'wall':>7s} {'error':>6s} {'default':>8s} {'plain':>7s} {'vs default':>10s} {'vs plain':>8s}"
     )
     print(header)
-    for name, stages, plan, predicted, measured, wall in rows:
+    for name, stages, plan, before, predicted, measured, wall in rows:
         print(
-            f"{name:26s} {stages:6d} {plan:>16s} {predicted * 1e3:9.2f} {measured * 1e3:8.2f}"
+            f"{name:26s} {stages:6d} {plan:>16s} {before * 1e3:7.2f} {predicted * 1e3:9.2f} {measured * 1e3:8.2f}"
             f" {measured / predicted - 1:+6.0%} {wall['planned'] * 1e3:7.2f} {wall['planned'] / predicted - 1:+6.0%}"
             f" {wall['default'] * 1e3:8.2f} {wall['plain'] * 1e3:7.2f}"
             f" {wall['planned'] / wall['default']:10.3f} {wall['planned'] / wall['plain']:8.3f}"

@@ -56,6 +56,7 @@ __all__ = [
     "pipeline_tasks",
     "Task",
     "share_cores",
+    "finish_times",
     "choose_offload",
     "offload_plan",
     "split_cores",
@@ -63,6 +64,7 @@ __all__ = [
     "predict",
     "predict_plan",
     "step_method_rate",
+    "calibrated_optimizer_rates",
     "explain",
     "hypothetical_machine",
     "main",
@@ -138,6 +140,9 @@ class Prediction:
     (``share_cores``); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
     overhead_s: float = 0.0
     """The profile's fixed cost per step, included in ``step_s``."""
+    optimizer_by_role: dict[str, float] = field(default_factory=dict)
+    """Per profile role that steps (``"stage0"``, ..., ``"cpu"`` for the CPU workers), when its
+    optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them."""
 
     def with_overhead(self, overhead_s: float) -> Prediction:
         """The same prediction with another fixed cost per step."""
@@ -312,6 +317,12 @@ def share_cores(processes: Sequence[Sequence[Task]], threads: Sequence[int], cor
     than that, each runs at that share of its speed alone (and never faster than alone: a process
     cannot use the cores the others leave idle beyond its own threads). Processes without threads
     (driving a GPU) run at their speed alone; with ``cores`` None, every process does."""
+    return max(finish_times(processes, threads, cores), default=0.0)
+
+
+def finish_times(processes: Sequence[Sequence[Task]], threads: Sequence[int], cores: Optional[float]) -> list[float]:
+    """When each of ``processes`` is done (0 for one without tasks), played out as ``share_cores``
+    describes."""
     done: list[list[float]] = [[] for _ in processes]
     left = [tasks[0].seconds if tasks else 0.0 for tasks in processes]
     now = 0.0
@@ -343,7 +354,7 @@ def share_cores(processes: Sequence[Sequence[Task]], threads: Sequence[int], cor
                 left[i] = processes[i][len(done[i])].seconds if len(done[i]) < len(processes[i]) else 0.0
     if any(len(d) < len(tasks) for d, tasks in zip(done, processes)):
         raise ValueError("The tasks wait for each other in a cycle.")
-    return now
+    return [d[-1] if d else 0.0 for d in done]
 
 
 def _schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -554,7 +565,11 @@ def predict(
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
-    optimizer = share_cores([[Task(t)] for t in stage_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
+    steps = finish_times([[Task(t)] for t in stage_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
+    optimizer = max(steps, default=0.0)
+    optimizer_by_role = dict(zip(machine.stages, steps))
+    if workers:
+        optimizer_by_role["cpu"] = steps[-1]
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
@@ -575,6 +590,7 @@ def predict(
         cores_s=cores,
         sync_s=sync,
         optimizer_s=optimizer,
+        optimizer_by_role=optimizer_by_role,
         bubble=bubble,
         memory=memory,
         overhead_s=profile.step_overhead_s,
@@ -589,6 +605,34 @@ def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, repla
     layout, _, _ = _layout(profile, machine, cpu_share=plan.cpu_fraction > 0 and machine.cpu_workers > 0)
     loss = profile.devices[layout.stages[-1]].loss_forward_time(samples) / layout.stage_speed[-1]
     return max(0.0, replay_s - loss) / samples
+
+
+def calibrated_optimizer_rates(
+    profile: Profile, machine: Machine, plan: HeteroPlan, measured: dict[str, float], rounds: int = 20
+) -> dict[str, float]:
+    """Per profile role, the optimizer's seconds per parameter with which the layout ``plan``
+    describes plays each role's optimizer step out (sharing the cores) in the seconds ``measured``
+    in the run (role: seconds of one step). The step's speed depends on what the profile cannot
+    reproduce on its own, such as how the memory allocator serves the step's temporaries in a
+    process that has trained (on 2 cores, 10 ms or 25 ms for the same Adam step), and on how the
+    threads help it, which is not how they help the compute. The rates are scaled until each step
+    plays out within 0.1% of its time, or for ``rounds``; roles not measured, or without a step in
+    the layout, are left out."""
+    profile = replace(profile, devices={role: replace(times) for role, times in profile.devices.items()})
+    scaled: set[str] = set()
+    for _ in range(rounds):
+        played = predict_plan(profile, machine, plan).optimizer_by_role
+        ratios = {
+            role: seconds / played[role]
+            for role, seconds in measured.items()
+            if role in profile.devices and played.get(role, 0.0) > 0 and seconds > 0
+        }
+        for role, ratio in ratios.items():
+            profile.devices[role].optimizer_s_per_param *= ratio
+        scaled |= set(ratios)
+        if all(abs(ratio - 1) < 1e-3 for ratio in ratios.values()):
+            break
+    return {role: profile.devices[role].optimizer_s_per_param for role in sorted(scaled)}
 
 
 def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured_step_s: Optional[float] = None) -> str:

@@ -9,6 +9,7 @@ out exactly as the analyzer did.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,18 @@ class RecordPlan(L.Callback):
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Every rank's optimizer steps, and on rank 0 how the analyzer plays them out."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, HeteroStrategy):
+            return
+        role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
+        record = {"role": role, "optimizer": {r.step: r.optimizer for r in strategy.step_records}}
+        analyzer = next((cb for cb in trainer.callbacks if isinstance(cb, WorkloadAnalyzer)), None)
+        if analyzer is not None and analyzer.prediction is not None:
+            record["played"] = analyzer.prediction.optimizer_by_role
+        (self.out / f"steps{trainer.global_rank}.json").write_text(json.dumps(record))
+
 
 def layouts(out: Path) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
@@ -51,7 +64,7 @@ def layouts(out: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("mode", ["coarse", "fine"])
 def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str) -> None:
-    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=4, measure_steps=2)
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=4, warmup_steps=5, measure_steps=2)
     layout = tmp_path / "layout"
     layout.mkdir()
     strategy = hetero(mode=mode, stages=["cpu", "cpu"], micro_batches=1)
@@ -84,9 +97,24 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
     (_, error), = column(rows, "analyzer/prediction_error")
     (_, fixed), = column(rows, "analyzer/fixed_step_s")
     assert 5 + 2 <= step <= STEPS  # after the warm-up and the measured steps
+    if mode == "coarse":  # each process's optimizer step plays out as long as it took in the warm-up
+        steps = [json.loads(path.read_text()) for path in sorted(layout.glob("steps*.json"))]
+        played = steps[0]["played"]
+        assert {"stage0", "stage1"} <= set(played)
+        for rank in steps:
+            if rank["role"] in played:
+                warmup = [seconds for step, seconds in rank["optimizer"].items() if 1 <= int(step) < 5]
+                assert played[rank["role"]] == pytest.approx(statistics.median(warmup), rel=0.01)
     assert measured > 0 and error == pytest.approx(measured / predicted - 1)
     # The fixed cost per step measured in the warm-up replaced the estimate, in the prediction and the profile.
     assert 0 < fixed < predicted and fixed == pytest.approx(Profile.load(logs / "profile.json").step_overhead_s)
+
+
+def test_the_warm_up_needs_a_step_after_the_first() -> None:
+    with pytest.raises(ValueError, match="warmup_steps >= 2"):
+        WorkloadAnalyzer(warmup_steps=1)
+    with pytest.raises(ValueError, match="measure_steps >= 1"):
+        WorkloadAnalyzer(measure_steps=0)
 
 
 def test_replayed_plan_reproduces_the_analyzers_layout(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ import pytest
 
 from lightning_hetero.planner import (
     Machine,
+    calibrated_optimizer_rates,
     choose_offload,
+    finish_times,
     offload_plan,
     Task,
     partition,
@@ -21,6 +23,7 @@ from lightning_hetero.planner import (
     split_cores,
     step_method_rate,
 )
+from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LayerProfile, LinkProfile, Profile
 
 MB = 2**20
@@ -159,6 +162,42 @@ def test_a_cpu_far_slower_than_the_pipeline_gets_nothing() -> None:
 def test_processes_share_the_cores(processes, threads, cores, expected) -> None:
     tasks = [[Task(seconds) for seconds in p] for p in processes]
     assert share_cores(tasks, threads, cores) == pytest.approx(expected)
+
+
+def test_each_process_finishes_when_its_work_is_played_out() -> None:
+    # Three on two cores: two thirds of its speed each until the short ones end at 1.5 s; the long
+    # one has 1 s left, alone on a core.
+    tasks = [[Task(2.0)], [Task(1.0)], [Task(1.0)], []]
+    assert finish_times(tasks, [1, 1, 1, 1], 2) == pytest.approx([2.5, 1.5, 1.5, 0.0])
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+def test_the_optimizer_steps_are_calibrated_to_the_run(cpu_fraction: float) -> None:
+    """Each role's rate is scaled until the layout plays its step out in the measured time, also
+    where the steps share the cores (three processes on two); roles without a step in the layout,
+    or not measured, are left out."""
+    prof = profile([0.2, 0.3, 0.1, 0.4], optimizer_s_per_param=1e-4)
+    mach = machine(2)
+    mach.cores = 2
+    plan = HeteroPlan(stages=["cpu", "cpu"], boundaries=[2], micro_batches=2, cpu_fraction=cpu_fraction)
+    before = predict_plan(prof, mach, plan)
+    shared = cpu_fraction > 0
+    # Each stage steps its 2000 parameters, the CPU worker (with a share) all 4000: three on two
+    # cores run at two thirds of their speed until the stages are done, then the CPU worker alone.
+    assert before.optimizer_by_role == pytest.approx(
+        {"stage0": 0.3, "stage1": 0.3, "cpu": 0.5} if shared else {"stage0": 0.2, "stage1": 0.2}
+    )
+    measured = {"stage0": 0.1, "stage1": 0.3, "cpu": 0.5, "stage7": 1.0}
+    rates = calibrated_optimizer_rates(prof, mach, plan, measured)
+    assert set(rates) == ({"stage0", "stage1", "cpu"} if shared else {"stage0", "stage1"})
+    if not shared:  # nothing shared: the measured time over the parameters
+        assert rates == pytest.approx({"stage0": 0.5e-4, "stage1": 1.5e-4})
+    assert prof.devices["stage0"].optimizer_s_per_param == 1e-4  # the profile given is left as it was
+    for role, rate in rates.items():
+        prof.devices[role].optimizer_s_per_param = rate
+    after = predict_plan(prof, mach, plan)
+    assert after.optimizer_by_role == pytest.approx({role: measured[role] for role in rates}, rel=2e-3)
+    assert after.optimizer_s == max(after.optimizer_by_role.values())
 
 
 def test_tasks_wait_for_the_tasks_they_follow() -> None:

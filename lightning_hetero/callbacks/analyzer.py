@@ -26,7 +26,16 @@ from torch import nn
 
 from lightning_hetero.module import layer_names, split_inputs_targets
 from lightning_hetero.plan import HeteroPlan
-from lightning_hetero.planner import Machine, Prediction, explain, plan_run, predict_plan, split_cores, step_method_rate
+from lightning_hetero.planner import (
+    Machine,
+    Prediction,
+    calibrated_optimizer_rates,
+    explain,
+    plan_run,
+    predict_plan,
+    split_cores,
+    step_method_rate,
+)
 from lightning_hetero.profiling import (
     DeviceTimes,
     LinkProfile,
@@ -52,7 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkloadAnalyzer"]
 
 _SCHEDULE_NAMES = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
-_WARMUP_STEPS = 5
 
 
 def fixed_cost(step: Sequence[tuple[float, float, float]]) -> float:
@@ -67,8 +75,13 @@ class WorkloadAnalyzer(L.Callback):
     Args:
         repeats: timings per measurement, after one warm-up; the median is kept.
         max_micro_batches: the most micro-batches the planner considers.
-        measure_steps: training steps (after a warm-up of five, in which the fixed cost per step is
-            measured) whose median step time is logged beside the predicted one.
+        warmup_steps: training steps before the measured ones. All but the first (which pays
+            one-time costs) measure what the profile cannot: the fixed cost per step, the step
+            method's own work, and how long the optimizer steps take in the run. Each step's fixed
+            cost varies by milliseconds with the operating system's scheduling, so more steps give
+            a steadier prediction for a model whose step is short.
+        measure_steps: training steps after the warm-up whose median step time is logged beside
+            the predicted one.
         memory_fraction: the share of each GPU's memory the planner may fill.
         contention_s: seconds the processes that compute on the CPU's cores (CPU workers, emulated
             stages) run a training step's compute together, and each alone, to measure how much of
@@ -81,12 +94,19 @@ class WorkloadAnalyzer(L.Callback):
         self,
         repeats: int = 3,
         max_micro_batches: int = 8,
+        warmup_steps: int = 10,
         measure_steps: int = 20,
         memory_fraction: float = 0.9,
         contention_s: float = 0.3,
         save_dir: Optional[str] = None,
     ) -> None:
+        if warmup_steps < 2 or measure_steps < 1:
+            raise ValueError(
+                f"WorkloadAnalyzer needs warmup_steps >= 2 and measure_steps >= 1 (got {warmup_steps} and"
+                f" {measure_steps}): the first step pays one-time costs, and the calibration needs one step after it."
+            )
         self.repeats = repeats
+        self.warmup_steps = warmup_steps
         self.contention_s = contention_s
         self.max_micro_batches = max_micro_batches
         self.measure_steps = measure_steps
@@ -360,12 +380,12 @@ class WorkloadAnalyzer(L.Callback):
             return
         strategy = trainer.strategy
         record = strategy.step_records[-1] if strategy.step_records else None
-        if record is None or record.step < _WARMUP_STEPS - 1:
+        if record is None or record.step < self.warmup_steps - 1:
             return
         if not self._calibrated:
             self._calibrate(trainer)  # every rank, at the same batch: a collective
             return
-        if record.step < _WARMUP_STEPS:
+        if record.step < self.warmup_steps:
             return
         self._steps.append(record.total)
         if len(self._steps) < self.measure_steps:
@@ -386,9 +406,9 @@ class WorkloadAnalyzer(L.Callback):
             rank_zero_info(f"WorkloadAnalyzer, predicted vs measured:\n{table}")
 
     def _calibrate(self, trainer: L.Trainer) -> None:
-        """Measure in the first steps what the profile cannot see, the fixed cost per step and the
-        step method's own work, put them in the profile (the fixed cost in place of the estimate
-        made before training), and predict the plan's layout again with them.
+        """Measure in the warm-up steps what the profile cannot see, put it in the profile (in place
+        of the estimates made before training), and predict the plan's layout again with it: the
+        fixed cost per step, the step method's own work, and the optimizer steps' time.
 
         The profile cannot see the training loop's own work (Lightning's hooks and logging, the
         batch load) as it is done between busy processes, so it is taken from the steps after the
@@ -398,25 +418,38 @@ class WorkloadAnalyzer(L.Callback):
         steps less waits between steps for the others' optimizer steps (the next step starts with a
         collective), which the model predicts too: so the time between steps is counted with each
         rank's optimizer step, less the longest one. The step method's own work (metrics, logging)
-        is the last stage's replay of it, less the loss's forward (``step_method_rate``). Both are
-        the same for every layout, so the plan it chose stays the best one."""
+        is the last stage's replay of it, less the loss's forward (``step_method_rate``). The
+        optimizer steps of the processes on the CPU are timed in the run (in coarse mode, where
+        they follow the sum; ``calibrated_optimizer_rates``): their speed depends on the process's
+        memory allocator and threads in ways a step on its own does not reproduce. All of these
+        change every layout alike or nearly so, so the plan it chose stays the best one."""
         assert self.prediction is not None and self.profile is not None and self.plan is not None
         self._calibrated = True
         strategy = trainer.strategy
-        records = [r for r in strategy.step_records if 1 <= r.step < _WARMUP_STEPS]
+        records = [r for r in strategy.step_records if 1 <= r.step < self.warmup_steps]
         mine = [(r.data, r.wait, r.optimizer) for r in records]
         # The last stage's replay of the step method: what the profile cannot time beyond the loss.
         replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
-        ranks = strategy.gather((mine, replays))
-        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _ in ranks))]
+        role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
+        on_cpu = strategy.root_device.type == "cpu" and self.plan.mode == "coarse"  # CUDA steps are queued, not timed
+        stepped = (role, [r.optimizer for r in records]) if on_cpu and strategy.node_rank == 0 else None
+        ranks = strategy.gather((mine, replays, stepped))
+        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _, _ in ranks))]
         if not per_step:
             return
         self.profile.step_overhead_s = statistics.median(per_step)
-        replayed = [replay for _, replays in ranks for replay in replays]
         machine = _machine(strategy, self.profile)
+        replayed = [replay for _, replays, _ in ranks for replay in replays]
         if replayed:
             seconds, samples = statistics.median(s for s, _ in replayed), statistics.median(n for _, n in replayed)
             self.profile.step_method_s_per_sample = step_method_rate(self.profile, machine, self.plan, seconds, samples)
+        by_role: dict[str, list[float]] = {}
+        for _, _, timed in ranks:
+            if timed is not None:
+                by_role.setdefault(timed[0], []).extend(timed[1])
+        measured = {name: statistics.median(times) for name, times in by_role.items() if times}
+        for name, rate in calibrated_optimizer_rates(self.profile, machine, self.plan, measured).items():
+            self.profile.devices[name].optimizer_s_per_param = rate
         self.prediction = predict_plan(self.profile, machine, self.plan)
         directory = self._directory(trainer)
         if trainer.is_global_zero:
