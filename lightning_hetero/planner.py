@@ -142,7 +142,8 @@ class Prediction:
     """The profile's fixed cost per step, included in ``step_s``."""
     optimizer_by_role: dict[str, float] = field(default_factory=dict)
     """Per profile role that steps (``"stage0"``, ..., ``"cpu"`` for the CPU workers), when its
-    optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them."""
+    optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them. Stages
+    that share a role (a hypothetical machine's GPUs) give the last one's."""
 
     def with_overhead(self, overhead_s: float) -> Prediction:
         """The same prediction with another fixed cost per step."""

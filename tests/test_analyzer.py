@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,17 @@ import yaml
 from torch import nn
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
-from lightning_hetero.callbacks import WorkloadAnalyzer
-from lightning_hetero.callbacks.analyzer import _shared_cores, fixed_cost
+from lightning_hetero.callbacks import AdaptiveRebalancer, WorkloadAnalyzer
+from lightning_hetero.callbacks.analyzer import _machine, _shared_cores, fixed_cost
 from lightning_hetero.planner import main as planner_main
+from lightning_hetero.planner import predict_plan
 from lightning_hetero.profiling import Profile
 from tests.conftest import TIMEOUT, hetero, trainer
 from tests.models import column, read_metrics, regression_data
 from tests.test_equivalence import STEPS, assert_same_run
+
+
+WARMUP = 5  # the analyzer's warm-up steps in these tests (the equivalence runs take STEPS)
 
 
 class RecordPlan(L.Callback):
@@ -51,11 +56,29 @@ class RecordPlan(L.Callback):
         if not isinstance(strategy, HeteroStrategy):
             return
         role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
-        record = {"role": role, "optimizer": {r.step: r.optimizer for r in strategy.step_records}}
+        warmup = [r for r in strategy.step_records if 1 <= r.step < WARMUP]
+        record: dict[str, Any] = {"role": role, "optimizer": [r.optimizer for r in warmup]}
         analyzer = next((cb for cb in trainer.callbacks if isinstance(cb, WorkloadAnalyzer)), None)
-        if analyzer is not None and analyzer.prediction is not None:
-            record["played"] = analyzer.prediction.optimizer_by_role
+        if warmup and analyzer is not None and analyzer.profile is not None and analyzer.plan is not None:
+            # The calibrated profile played out in the layout the warm-up ran.
+            (fraction,) = {r.cpu_fraction for r in warmup}
+            layout = replace(analyzer.plan, cpu_fraction=fraction)
+            played = predict_plan(analyzer.profile, _machine(strategy, analyzer.profile), layout)
+            record.update(fraction=fraction, played=played.optimizer_by_role)
         (self.out / f"steps{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def assert_optimizer_steps_play_out_as_timed(out: Path) -> dict[str, Any]:
+    """Each process's optimizer step plays out, in the warm-up's layout, as long as it took there
+    (the median of its warm-up steps); returns rank 0's record."""
+    steps = [json.loads(path.read_text()) for path in sorted(out.glob("steps*.json"))]
+    played = steps[0]["played"]
+    assert {"stage0", "stage1"} <= set(played)
+    for rank in steps:
+        if rank["role"] in played:
+            stepped = [seconds for seconds in rank["optimizer"] if seconds > 0]  # batches that accumulate have none
+            assert played[rank["role"]] == pytest.approx(statistics.median(stepped), rel=0.01)
+    return steps[0]
 
 
 def layouts(out: Path) -> list[dict[str, Any]]:
@@ -64,7 +87,7 @@ def layouts(out: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("mode", ["coarse", "fine"])
 def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str) -> None:
-    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=4, warmup_steps=5, measure_steps=2)
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=4, warmup_steps=WARMUP, measure_steps=2)
     layout = tmp_path / "layout"
     layout.mkdir()
     strategy = hetero(mode=mode, stages=["cpu", "cpu"], micro_batches=1)
@@ -96,24 +119,42 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
     (_, measured), = column(rows, "analyzer/measured_step_s")
     (_, error), = column(rows, "analyzer/prediction_error")
     (_, fixed), = column(rows, "analyzer/fixed_step_s")
-    assert 5 + 2 <= step <= STEPS  # after the warm-up and the measured steps
-    if mode == "coarse":  # each process's optimizer step plays out as long as it took in the warm-up
-        steps = [json.loads(path.read_text()) for path in sorted(layout.glob("steps*.json"))]
-        played = steps[0]["played"]
-        assert {"stage0", "stage1"} <= set(played)
-        for rank in steps:
-            if rank["role"] in played:
-                warmup = [seconds for step, seconds in rank["optimizer"].items() if 1 <= int(step) < 5]
-                assert played[rank["role"]] == pytest.approx(statistics.median(warmup), rel=0.01)
+    assert WARMUP + 2 <= step <= STEPS  # after the warm-up and the measured steps
     assert measured > 0 and error == pytest.approx(measured / predicted - 1)
     # The fixed cost per step measured in the warm-up replaced the estimate, in the prediction and the profile.
     assert 0 < fixed < predicted and fixed == pytest.approx(Profile.load(logs / "profile.json").step_overhead_s)
+    if mode == "coarse":
+        assert_optimizer_steps_play_out_as_timed(layout)
+
+
+def test_the_optimizer_steps_are_timed_in_the_layout_the_warm_up_ran(tmp_path: Path) -> None:
+    """The rebalancer's first window runs at CPU fraction 0 (the CPU worker idle), whatever the
+    plan's fraction: the steps timed there are played out in that layout."""
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
+    out = tmp_path / "layout"
+    out.mkdir()
+    rebalancer = AdaptiveRebalancer(every_n_steps=WARMUP + 1)
+    strategy = hetero(stages=["cpu", "cpu"], micro_batches=1)
+    trainer(strategy, tmp_path / "logs", max_steps=WARMUP + 1, callbacks=[analyzer, rebalancer, RecordPlan(out)]).fit(
+        _net(), regression_data()
+    )
+    assert assert_optimizer_steps_play_out_as_timed(out)["fraction"] == 0.0
+
+
+def test_batches_that_accumulate_are_not_timed_as_optimizer_steps(tmp_path: Path) -> None:
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
+    out = tmp_path / "layout"
+    out.mkdir()
+    strategy = hetero(stages=["cpu", "cpu"], micro_batches=1)
+    run = trainer(strategy, tmp_path / "logs", max_steps=WARMUP + 1, accumulate_grad_batches=2, callbacks=[analyzer, RecordPlan(out)])
+    run.fit(_net(), regression_data())
+    assert_optimizer_steps_play_out_as_timed(out)
 
 
 def test_the_warm_up_needs_a_step_after_the_first() -> None:
-    with pytest.raises(ValueError, match="warmup_steps >= 2"):
+    with pytest.raises(ValueError, match="`warmup_steps=1`"):
         WorkloadAnalyzer(warmup_steps=1)
-    with pytest.raises(ValueError, match="measure_steps >= 1"):
+    with pytest.raises(ValueError, match="`measure_steps=0`"):
         WorkloadAnalyzer(measure_steps=0)
 
 

@@ -14,6 +14,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -77,7 +78,8 @@ class WorkloadAnalyzer(L.Callback):
         max_micro_batches: the most micro-batches the planner considers.
         warmup_steps: training steps before the measured ones. All but the first (which pays
             one-time costs) measure what the profile cannot: the fixed cost per step, the step
-            method's own work, and how long the optimizer steps take in the run. Each step's fixed
+            method's own work, and how long the optimizer steps of processes on the CPU take in
+            the run (see ``_calibrate`` for where they are timed). Each step's fixed
             cost varies by milliseconds with the operating system's scheduling, so more steps give
             a steadier prediction for a model whose step is short.
         measure_steps: training steps after the warm-up whose median step time is logged beside
@@ -102,8 +104,9 @@ class WorkloadAnalyzer(L.Callback):
     ) -> None:
         if warmup_steps < 2 or measure_steps < 1:
             raise ValueError(
-                f"WorkloadAnalyzer needs warmup_steps >= 2 and measure_steps >= 1 (got {warmup_steps} and"
-                f" {measure_steps}): the first step pays one-time costs, and the calibration needs one step after it."
+                f"WorkloadAnalyzer needs `warmup_steps` >= 2 and `measure_steps` >= 1 (got `warmup_steps={warmup_steps}`,"
+                f" `measure_steps={measure_steps}`): the first step pays one-time costs, and the warm-up measures"
+                " the steps after it."
             )
         self.repeats = repeats
         self.warmup_steps = warmup_steps
@@ -368,6 +371,13 @@ class WorkloadAnalyzer(L.Callback):
         for logger in trainer.loggers:
             logger.log_hyperparams({"hetero_plan": self.plan.as_dict(), "hetero_predicted_step_s": self.prediction.step_s})
         directory = self._directory(trainer)  # every rank: `trainer.log_dir` is a collective
+        needed = self.warmup_steps + self.measure_steps
+        if 0 <= trainer.max_steps < needed:
+            rank_zero_warn(
+                f"WorkloadAnalyzer measures the step time after {self.warmup_steps} warm-up steps and"
+                f" {self.measure_steps} more, {needed} in all; with `max_steps={trainer.max_steps}` only the"
+                " prediction is logged. Lower `warmup_steps` or `measure_steps` to see both."
+            )
         if trainer.is_global_zero:
             self.plan.save(directory / "plan.yaml")
             self.profile.save(directory / "profile.json")
@@ -380,7 +390,7 @@ class WorkloadAnalyzer(L.Callback):
             return
         strategy = trainer.strategy
         record = strategy.step_records[-1] if strategy.step_records else None
-        if record is None or record.step < self.warmup_steps - 1:
+        if record is None or trainer.global_step < self.warmup_steps:  # the warm-up's optimizer steps
             return
         if not self._calibrated:
             self._calibrate(trainer)  # every rank, at the same batch: a collective
@@ -419,10 +429,14 @@ class WorkloadAnalyzer(L.Callback):
         collective), which the model predicts too: so the time between steps is counted with each
         rank's optimizer step, less the longest one. The step method's own work (metrics, logging)
         is the last stage's replay of it, less the loss's forward (``step_method_rate``). The
-        optimizer steps of the processes on the CPU are timed in the run (in coarse mode, where
-        they follow the sum; ``calibrated_optimizer_rates``): their speed depends on the process's
-        memory allocator and threads in ways a step on its own does not reproduce. All of these
-        change every layout alike or nearly so, so the plan it chose stays the best one."""
+        optimizer steps of the processes on the CPU are timed in the run
+        (``calibrated_optimizer_rates``): their speed depends on the process's memory allocator
+        and threads in ways a step on its own does not reproduce. That is done in coarse mode,
+        where they follow the sum, without clipping by norm (whose all-reduce waits for the other
+        ranks inside the step), on the first node, and where the warm-up ran at one CPU fraction
+        (the rebalancer may try others): it is played out at that fraction. Batches that
+        accumulate gradients have no step and are left out. All of these change every layout
+        alike or nearly so, so the plan it chose stays the best one."""
         assert self.prediction is not None and self.profile is not None and self.plan is not None
         self._calibrated = True
         strategy = trainer.strategy
@@ -431,25 +445,30 @@ class WorkloadAnalyzer(L.Callback):
         # The last stage's replay of the step method: what the profile cannot time beyond the loss.
         replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
         role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
-        on_cpu = strategy.root_device.type == "cpu" and self.plan.mode == "coarse"  # CUDA steps are queued, not timed
-        stepped = (role, [r.optimizer for r in records]) if on_cpu and strategy.node_rank == 0 else None
-        ranks = strategy.gather((mine, replays, stepped))
-        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _, _ in ranks))]
+        clip_waits = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm != "value"
+        # A step queued on a GPU is not timed by the host's clock; fine mode's steps overlap the backward.
+        timed = strategy.root_device.type == "cpu" and self.plan.mode == "coarse" and not clip_waits
+        steps = [r.optimizer for r in records if r.optimizer > 0] if timed and strategy.node_rank == 0 else []
+        fractions = {r.cpu_fraction for r in records}
+        ranks = strategy.gather((mine, replays, (role, steps), fractions))
+        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _, _, _ in ranks))]
         if not per_step:
             return
         self.profile.step_overhead_s = statistics.median(per_step)
         machine = _machine(strategy, self.profile)
-        replayed = [replay for _, replays, _ in ranks for replay in replays]
+        ran = set().union(*(fractions for _, _, _, fractions in ranks))
+        warm = replace(self.plan, cpu_fraction=ran.pop()) if len(ran) == 1 else None  # the layout the warm-up ran
+        replayed = [replay for _, replays, _, _ in ranks for replay in replays]
         if replayed:
             seconds, samples = statistics.median(s for s, _ in replayed), statistics.median(n for _, n in replayed)
-            self.profile.step_method_s_per_sample = step_method_rate(self.profile, machine, self.plan, seconds, samples)
+            self.profile.step_method_s_per_sample = step_method_rate(self.profile, machine, warm or self.plan, seconds, samples)
         by_role: dict[str, list[float]] = {}
-        for _, _, timed in ranks:
-            if timed is not None:
-                by_role.setdefault(timed[0], []).extend(timed[1])
+        for _, _, (name, times), _ in ranks:
+            by_role.setdefault(name, []).extend(times)
         measured = {name: statistics.median(times) for name, times in by_role.items() if times}
-        for name, rate in calibrated_optimizer_rates(self.profile, machine, self.plan, measured).items():
-            self.profile.devices[name].optimizer_s_per_param = rate
+        if warm is not None and measured:
+            for name, rate in calibrated_optimizer_rates(self.profile, machine, warm, measured).items():
+                self.profile.devices[name].optimizer_s_per_param = rate
         self.prediction = predict_plan(self.profile, machine, self.plan)
         directory = self._directory(trainer)
         if trainer.is_global_zero:
