@@ -21,7 +21,7 @@ import yaml
 from torch import nn
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
-from lightning_hetero.callbacks import AdaptiveRebalancer, WorkloadAnalyzer
+from lightning_hetero.callbacks import WorkloadAnalyzer
 from lightning_hetero.callbacks.analyzer import _machine, _shared_cores, fixed_cost
 from lightning_hetero.planner import main as planner_main
 from lightning_hetero.planner import predict_plan
@@ -127,18 +127,39 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
         assert_optimizer_steps_play_out_as_timed(layout)
 
 
-def test_the_optimizer_steps_are_timed_in_the_layout_the_warm_up_ran(tmp_path: Path) -> None:
-    """The rebalancer's first window runs at CPU fraction 0 (the CPU worker idle), whatever the
-    plan's fraction: the steps timed there are played out in that layout."""
-    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
+class ElsewhereUntil(L.Callback):
+    """Runs the first ``steps`` at another CPU fraction than the plan's, as the rebalancer does
+    when it measures its baseline (every rank alike), then goes back to the plan's."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.planned: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        if trainer.global_step == 0 and self.planned is None:
+            self.planned = strategy.cpu_fraction
+            strategy.set_cpu_fraction(0.0 if self.planned else 0.5)
+        elif trainer.global_step == self.steps and self.planned is not None:
+            strategy.set_cpu_fraction(self.planned)
+
+
+def test_where_the_run_leaves_the_plans_fraction_the_analyzer_follows(tmp_path: Path) -> None:
+    """The optimizer steps timed in a warm-up at another fraction are played out at that fraction,
+    and the step time is measured only where the run is at the plan's fraction."""
+    elsewhere, measure = WARMUP + 3, 2
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=measure)
     out = tmp_path / "layout"
     out.mkdir()
-    rebalancer = AdaptiveRebalancer(every_n_steps=WARMUP + 1)
     strategy = hetero(stages=["cpu", "cpu"], micro_batches=1)
-    trainer(strategy, tmp_path / "logs", max_steps=WARMUP + 1, callbacks=[analyzer, rebalancer, RecordPlan(out)]).fit(
-        _net(), regression_data()
+    callbacks = [analyzer, ElsewhereUntil(elsewhere), RecordPlan(out)]
+    trainer(strategy, tmp_path / "logs", max_steps=elsewhere + measure + 1, callbacks=callbacks).fit(
+        _net(), regression_data(240)
     )
-    assert assert_optimizer_steps_play_out_as_timed(out)["fraction"] == 0.0
+    plan = HeteroPlan.load(tmp_path / "logs" / "plan.yaml")
+    assert assert_optimizer_steps_play_out_as_timed(out)["fraction"] == (0.0 if plan.cpu_fraction else 0.5)
+    (step, _), = column(read_metrics(tmp_path / "logs"), "analyzer/measured_step_s")
+    assert step == elsewhere + measure  # logged after the measured steps' end
 
 
 def test_batches_that_accumulate_are_not_timed_as_optimizer_steps(tmp_path: Path) -> None:

@@ -83,7 +83,8 @@ class WorkloadAnalyzer(L.Callback):
             cost varies by milliseconds with the operating system's scheduling, so more steps give
             a steadier prediction for a model whose step is short.
         measure_steps: training steps after the warm-up whose median step time is logged beside
-            the predicted one.
+            the predicted one; only steps at the plan's CPU fraction count (the rebalancer, where
+            it runs too, tries others at times).
         memory_fraction: the share of each GPU's memory the planner may fill.
         contention_s: seconds the processes that compute on the CPU's cores (CPU workers, emulated
             stages) run a training step's compute together, and each alone, to measure how much of
@@ -395,7 +396,7 @@ class WorkloadAnalyzer(L.Callback):
         if not self._calibrated:
             self._calibrate(trainer)  # every rank, at the same batch: a collective
             return
-        if record.step < self.warmup_steps:
+        if record.step < self.warmup_steps or not self._in_plan(record):
             return
         self._steps.append(record.total)
         if len(self._steps) < self.measure_steps:
@@ -414,6 +415,12 @@ class WorkloadAnalyzer(L.Callback):
             table = self.explanation()
             (directory / "explain.txt").write_text(table + "\n")
             rank_zero_info(f"WorkloadAnalyzer, predicted vs measured:\n{table}")
+
+    def _in_plan(self, record: StepRecord) -> bool:
+        """Whether the step ran at the plan's CPU fraction (to the sample): the rebalancer, where
+        it runs too, measures other fractions at times, which the prediction is not for."""
+        assert self.plan is not None and self.profile is not None
+        return abs(record.cpu_fraction - self.plan.cpu_fraction) * self.profile.batch_size < 0.5
 
     def _calibrate(self, trainer: L.Trainer) -> None:
         """Measure in the warm-up steps what the profile cannot see, put it in the profile (in place
