@@ -145,10 +145,6 @@ class Prediction:
     optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them. Stages
     that share a role (a hypothetical machine's GPUs) give the last one's."""
 
-    def with_overhead(self, overhead_s: float) -> Prediction:
-        """The same prediction with another fixed cost per step."""
-        return replace(self, step_s=self.step_s - self.overhead_s + overhead_s, overhead_s=overhead_s)
-
 
 @dataclass
 class StageCosts:
@@ -545,7 +541,7 @@ def predict(
     cpu_samples = batch_size - pipeline_samples
     share = bool(cpu_samples and machine.cpu_workers)
     machine, threads, capacity = _layout(profile, machine, share)
-    pipe, slowest = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
+    pipe, _ = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
     cpu = 0.0
     if share:
         per_worker = math.ceil(cpu_samples / machine.cpu_workers)
@@ -650,7 +646,7 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
 
     def block_time(role: str, i: int) -> float:  # without the loss, which has its own row
         times = profile.devices[role]
-        return times.layer_time(range(i, i + 1), u) - (times.loss_step_time(u) if i == last else 0.0)
+        return times.forward_time(range(i, i + 1), u) + times.backward_time(range(i, i + 1), u)
 
     for i, layer in enumerate(profile.layers):
         times = " ".join(f"{block_time(role, i) * 1e3:12.3f}" for role in roles)

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
-from lightning_hetero.callbacks.analyzer import _machine, _shared_cores, fixed_cost
+from lightning_hetero.callbacks.analyzer import _machine, _shared_cores, fixed_cost, profile_role
 from lightning_hetero.planner import main as planner_main
 from lightning_hetero.planner import predict_plan
 from lightning_hetero.profiling import Profile
@@ -55,7 +55,7 @@ class RecordPlan(L.Callback):
         strategy = trainer.strategy
         if not isinstance(strategy, HeteroStrategy):
             return
-        role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
+        role = profile_role(strategy.role)
         warmup = [r for r in strategy.step_records if 1 <= r.step < WARMUP]
         record: dict[str, Any] = {"role": role, "optimizer": [r.optimizer for r in warmup]}
         analyzer = next((cb for cb in trainer.callbacks if isinstance(cb, WorkloadAnalyzer)), None)

@@ -53,7 +53,7 @@ from lightning_hetero.profiling import (
 )
 from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
-from lightning_hetero.topology import threads_for, usable_cores
+from lightning_hetero.topology import Role, threads_for, usable_cores
 from lightning_hetero.workers import batch_size_of
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class WorkloadAnalyzer(L.Callback):
         if device.type == "cuda":
             memory = self.memory_fraction * torch.cuda.get_device_properties(device).total_memory
         return {
-            "role": "cpu" if role.is_cpu_worker else f"stage{role.index}",
+            "role": profile_role(role),
             "times": times,
             "layers": described,
             "links": links,
@@ -451,7 +451,7 @@ class WorkloadAnalyzer(L.Callback):
         mine = [(r.data, r.wait, r.optimizer) for r in records]
         # The last stage's replay of the step method: what the profile cannot time beyond the loss.
         replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
-        role = "cpu" if strategy.role.is_cpu_worker else f"stage{strategy.role.index}"
+        role = profile_role(strategy.role)
         clip_waits = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm != "value"
         # A step queued on a GPU is not timed by the host's clock; fine mode's steps overlap the backward.
         timed = strategy.root_device.type == "cpu" and self.plan.mode == "coarse" and not clip_waits
@@ -493,6 +493,12 @@ class WorkloadAnalyzer(L.Callback):
         if trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+
+def profile_role(role: Role) -> str:
+    """The profile's name for a process's timings: ``"cpu"`` for every CPU worker (they are alike),
+    ``"stage<i>"`` for a stage."""
+    return "cpu" if role.is_cpu_worker else f"stage{role.index}"
 
 
 def _replayed(record: StepRecord) -> float:
