@@ -34,9 +34,9 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 import lightning.pytorch as pl
 
 from lightning_hetero.module import split_inputs_targets
-from lightning_hetero.workers import batch_size_of
+from lightning_hetero.shares import batch_size_of
 
-__all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch"]
+__all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch", "training_loader"]
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -64,6 +64,12 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
         )
     replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
     return _update_dataloader(dataloader, replacement)
+
+
+def training_loader(trainer: "pl.Trainer") -> Any:
+    """The training loader a fit will iterate, as the user gave it (to ``fit``, or by a datamodule's or
+    the module's ``train_dataloader()``), before Lightning has set it up: from a ``setup`` hook on."""
+    return trainer.fit_loop._data_source.dataloader()
 
 
 def with_workers(dataloader: object, workers: int) -> object:

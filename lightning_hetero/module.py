@@ -16,11 +16,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["PipelineModule", "run_layers", "split_inputs_targets", "inputs_of", "check_model_contract", "layer_names"]
+__all__ = [
+    "PipelineModule",
+    "run_layers",
+    "split_inputs_targets",
+    "inputs_of",
+    "check_model_contract",
+    "check_optimizers",
+    "layer_names",
+]
 
 
 def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:
@@ -169,6 +180,27 @@ def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> Non
             " must belong to one of the layers, or the pipeline stages would never train it."
         )
 
+
+
+def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> None:
+    """The optimizers ``configure_optimizers`` gave, for the hetero strategy in ``mode``; raise a
+    clear error where they cannot train (found in each process, at setup)."""
+    for optimizer in optimizers:
+        if isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS re-evaluates the loss inside `optimizer.step` and treats all parameters as one vector,"
+                " which the hetero strategy cannot split between stages. Use a first-order optimizer."
+            )
+    if mode != "fine":
+        return
+    if is_overridden("configure_gradient_clipping", model):
+        raise ValueError(
+            f"`{type(model).__name__}` overrides `configure_gradient_clipping`, which fine mode cannot call: it"
+            " clips each bucket as its gradients complete. Use the Trainer's `gradient_clip_val` and"
+            " `gradient_clip_algorithm`, or `mode='coarse'`."
+        )
+    if len(optimizers) != 1:
+        raise ValueError(f"Fine mode steps one optimizer bucket by bucket; `configure_optimizers` gave {len(optimizers)}.")
 
 
 def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:

@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import (
 
 from lightning_hetero.module import run_layers
 
-__all__ = ["partition_layers", "resolve_schedule", "StageModule", "Pipeline"]
+__all__ = ["partition_layers", "resolve_schedule", "schedule_name", "StageModule", "Pipeline"]
 
 ScheduleArg = Union[str, type]
 
@@ -65,6 +65,20 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int) -> list[tuple
         bounds.append((start, stop))
         stop = start
     return bounds[::-1]
+
+
+def schedule_name(schedule: ScheduleArg) -> str:
+    """The name ``get_schedule_class`` knows a schedule by (a plan holds names): a name as given, or
+    a schedule class's."""
+    if isinstance(schedule, str):
+        return schedule
+    name = getattr(schedule, "__name__", "").removeprefix("Schedule")
+    try:
+        if get_schedule_class(name) is schedule:
+            return name
+    except ValueError:
+        pass
+    raise ValueError(f"Schedule {schedule!r} is not one of torch's pipeline schedules; pass a schedule's name (e.g. 'GPipe').")
 
 
 def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int) -> type[PipelineScheduleSingle]:

@@ -5,12 +5,15 @@ how the pipeline's share is cut into micro-batches and scheduled, how much of ea
 workers compute, which fine-mode buckets are offloaded, and how the CPU's cores are split
 between data loading and compute. The workload analyzer writes one; ``HeteroStrategy(plan=...)``
 replays one, from the object or from its YAML file.
+
+Every run follows a plan: ``HeteroStrategy``'s layout arguments are turned into one
+(``layout_plan``), so the layout is checked here, in one place, and read from one value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -18,8 +21,24 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_hetero.files import atomic_write
+from lightning_hetero.offload import check_offload
+from lightning_hetero.pipeline import resolve_schedule, schedule_name
+from lightning_hetero.topology import parse_device, resolve_stage_devices
 
-__all__ = ["HeteroPlan"]
+__all__ = ["HeteroPlan", "LAYOUT_ARGUMENTS", "layout_plan"]
+
+LAYOUT_ARGUMENTS = (
+    "mode",
+    "stages",
+    "cpu_workers",
+    "cpu_threads",
+    "micro_batches",
+    "schedule",
+    "cpu_fraction",
+    "offload",
+    "bucket_size_mb",
+)
+"""``HeteroStrategy``'s arguments that a plan sets."""
 
 
 @dataclass(kw_only=True)
@@ -44,8 +63,9 @@ class HeteroPlan:
     """torch threads per CPU worker (None: the cores the other processes leave)."""
     cpu_fraction: float = 0.0
     """The share of every batch the CPU workers compute, in [0, 1]."""
-    offload: list[int] = field(default_factory=list)
-    """Fine mode: the buckets whose optimizer step runs on the CPU (0 is the last layers' bucket)."""
+    offload: Any = field(default_factory=list)
+    """Fine mode: the buckets whose optimizer step runs on the CPU, as a list of bucket indices (0 is
+    the last layers' bucket), or ``"auto"``, ``"none"``, ``"all"`` (see ``HeteroStrategy``)."""
     bucket_size_mb: float = 25.0
     """Fine mode: the parameter size that closes a bucket."""
     dataloader_workers: Optional[int] = None
@@ -59,9 +79,6 @@ class HeteroPlan:
     def validate(self) -> None:
         """Raise a clear error for a plan no run could follow. The model is checked by ``cut``, and
         the devices' existence when a strategy takes the plan (it may be for another machine)."""
-        from lightning_hetero.pipeline import resolve_schedule
-        from lightning_hetero.topology import parse_device
-
         if self.mode not in ("coarse", "fine"):
             raise ValueError(f"Plan: `mode={self.mode!r}` must be 'coarse' or 'fine'.")
         if not self.stages:
@@ -85,9 +102,12 @@ class HeteroPlan:
             raise ValueError(f"Plan: `cpu_fraction={self.cpu_fraction}` must be between 0 and 1.")
         if self.cpu_fraction > 0 and self.cpu_workers == 0:
             raise ValueError(f"Plan: `cpu_fraction={self.cpu_fraction}` gives the CPU a share, but `cpu_workers=0`.")
-        if any(k < 0 for k in self.offload):
+        if isinstance(self.offload, str):
+            if self.offload not in ("auto", "none", "all"):
+                raise ValueError(f"Plan: `offload={self.offload!r}` must be 'auto', 'none', 'all' or a list of buckets.")
+        elif not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in self.offload):
             raise ValueError(f"Plan: `offload={list(self.offload)}` must list bucket indices (integers >= 0).")
-        if self.offload and self.mode != "fine":
+        if self.offload not in ("auto", "none", []) and self.mode != "fine":
             raise ValueError("Plan: offloaded buckets need `mode: fine`.")
         if self.bucket_size_mb <= 0:
             raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be positive.")
@@ -126,6 +146,44 @@ class HeteroPlan:
         return Path(path)
 
     @classmethod
+    def from_arguments(
+        cls,
+        *,
+        mode: str,
+        stages: Any,
+        cpu_workers: Any,
+        cpu_threads: Any,
+        micro_batches: Any,
+        schedule: Any,
+        cpu_fraction: Any,
+        offload: Any,
+        bucket_size_mb: Any,
+    ) -> HeteroPlan:
+        """The plan of ``HeteroStrategy``'s layout arguments (see its docstring), after checking each
+        one: ``stages`` becomes one device per stage, ``cpu_fraction="auto"`` a number."""
+        if mode not in ("coarse", "fine"):
+            raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse' or 'fine'.")
+        check_offload(offload, mode)
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
+            raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
+        _check_int("cpu_workers", cpu_workers, minimum=0)
+        _check_int("micro_batches", micro_batches, minimum=1)
+        if cpu_threads is not None:
+            _check_int("cpu_threads", cpu_threads, minimum=1)
+        devices = resolve_stage_devices(stages)
+        return cls(
+            mode=mode,
+            stages=[str(d) for d in devices],
+            cpu_workers=cpu_workers,
+            cpu_threads=cpu_threads,
+            micro_batches=micro_batches,
+            schedule=schedule_name(schedule),
+            cpu_fraction=_fraction(cpu_fraction, cpu_workers, [d.type for d in devices]),
+            offload=offload if isinstance(offload, str) else sorted(set(offload)),
+            bucket_size_mb=float(bucket_size_mb),
+        )
+
+    @classmethod
     def load(cls, path: Union[str, Path]) -> HeteroPlan:
         """Read a plan from YAML; unknown keys, wrong types and impossible values are errors that name the file."""
         try:
@@ -145,6 +203,47 @@ class HeteroPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def layout_plan(
+    plan: Union[HeteroPlan, str, Path, None], arguments: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> HeteroPlan:
+    """The layout a strategy runs: a copy of ``plan`` (or the plan in that file), checked against
+    this machine, or the plan of its layout ``arguments``; never both (an argument that differs
+    from its default in ``defaults`` is given)."""
+    if plan is None:
+        return HeteroPlan.from_arguments(**arguments)
+    given = sorted(name for name, value in arguments.items() if value != defaults[name])
+    if given:
+        raise ValueError(f"Pass the layout either as a plan or as arguments, not both: the plan sets {given} too.")
+    loaded = replace(plan) if isinstance(plan, HeteroPlan) else HeteroPlan.load(plan)
+    try:
+        resolve_stage_devices(loaded.stages)
+    except ValueError as error:
+        source = "The plan" if isinstance(plan, HeteroPlan) else f"Plan file {plan}"
+        raise ValueError(f"{source} cannot run on this machine: {error}") from None
+    return loaded
+
+
+def _fraction(cpu_fraction: Any, cpu_workers: int, device_types: list[str]) -> float:
+    """``"auto"``: each process's fair share of the cores where the stages are emulated on them, and
+    0 with GPU stages (the rebalancer finds the CPU's share there); otherwise the number, checked."""
+    if cpu_fraction == "auto":
+        if cpu_workers == 0 or "cuda" in device_types:
+            return 0.0
+        return cpu_workers / (cpu_workers + len(device_types))
+    if isinstance(cpu_fraction, bool) or not isinstance(cpu_fraction, (int, float)) or not 0 <= cpu_fraction <= 1:
+        raise ValueError(f"`cpu_fraction={cpu_fraction!r}` must be 'auto' or a number between 0 and 1.")
+    if cpu_workers == 0 and cpu_fraction > 0:
+        raise ValueError(
+            f"`cpu_fraction={cpu_fraction}` gives the CPU a share, but `cpu_workers=0` starts no CPU worker."
+        )
+    return float(cpu_fraction)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}={value!r}` must be an integer >= {minimum}.")
 
 
 def _check_positive(name: str, value: int) -> None:

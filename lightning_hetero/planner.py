@@ -44,7 +44,7 @@ import torch
 
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
-from lightning_hetero.shares import split_batch
+from lightning_hetero.shares import largest_divisor_at_most, split_batch
 from lightning_hetero.topology import Topology, threads_for
 
 __all__ = [
@@ -441,7 +441,7 @@ def plan_run(
         # The pipeline's share is a whole number of micro-batches; or the whole batch (an idle CPU).
         shares = range(0, batch_size + 1, m) if machine.cpu_workers else range(batch_size, batch_size + 1)
         for pipeline_samples in sorted({*shares, batch_size}):
-            steps = m if pipeline_samples % m == 0 else _largest_divisor(pipeline_samples, m)
+            steps = m if pipeline_samples % m == 0 else largest_divisor_at_most(pipeline_samples, m)
             prediction = predict(profile, machine, bounds, batch_size, pipeline_samples, steps, mode, schedule)
             if best is None or prediction.step_s < best[0] - 1e-12:
                 best = (prediction.step_s, bounds, pipeline_samples, m, prediction)
@@ -510,10 +510,6 @@ def split_cores(cores: int, cpu_workers: int, stages_on_cpu: int, load_s: float,
     loaders = math.ceil(load_s / step_s)
     left = cores - stages_on_cpu - loaders * (cpu_workers + stages_on_cpu)
     return loaders, max(1, left // max(1, cpu_workers))
-
-
-def _largest_divisor(n: int, limit: int) -> int:
-    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
 def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_size: Optional[int] = None) -> Prediction:

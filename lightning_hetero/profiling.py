@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
 from lightning_hetero.module import run_layers
-from lightning_hetero.workers import slice_batch
+from lightning_hetero.shares import slice_batch
 
 __all__ = [
     "LayerProfile",
@@ -298,18 +298,6 @@ def _nbytes(data: Any) -> int:
     return sum(x.numel() * x.element_size() for x in items if isinstance(x, Tensor))
 
 
-def _to(data: Any, device: torch.device) -> Any:
-    if isinstance(data, tuple):
-        return tuple(_to(x, device) for x in data)
-    return data.to(device) if isinstance(data, Tensor) else data
-
-
-def _slice(data: Any, n: int) -> Any:
-    if isinstance(data, tuple):
-        return tuple(_slice(x, n) for x in data)
-    return data[:n] if isinstance(data, Tensor) else data
-
-
 def profile_layers(
     layers: Sequence[nn.Module],
     names: Sequence[str],
@@ -341,12 +329,12 @@ def profile_layers(
             training = layer.training
             layer.to(device)
             try:
-                fwd, bwd = zip(*(_time_layer(layer, _to(_slice(x, n), device), device, repeats) for n in (small, large)))
+                fwd, bwd = zip(*(_time_layer(layer, move_data_to_device(slice_batch(x, 0, n), device), device, repeats) for n in (small, large)))
                 forward.append(_fit(small, fwd[0], large, fwd[1]))
                 backward.append(_fit(small, bwd[0], large, bwd[1]))
-                described.append(_describe(layer, name, _to(_slice(x, large), device), large))
+                described.append(_describe(layer, name, move_data_to_device(slice_batch(x, 0, large), device), large))
                 with torch.no_grad():
-                    x = _to(run_layers([layer], _to(x, device)), torch.device("cpu"))
+                    x = move_data_to_device(run_layers([layer], move_data_to_device(x, device)), "cpu")
             finally:
                 layer.zero_grad(set_to_none=True)
                 layer.train(training)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["StepRecord", "StepClock", "Recorder"]
+__all__ = ["StepRecord", "StepClock", "Recorder", "span"]
 
 
 @dataclass
@@ -98,6 +99,11 @@ class StepClock:
             self.add_span(kind, queued, queued + start.elapsed_time(stop) / 1e3)
         self._events.clear()
         return dict(self.seconds)
+
+
+def span(clock: StepClock | None, kind: str) -> Any:
+    """A context that times its work into ``clock`` as ``kind`` (nothing, without a clock)."""
+    return clock.span(kind) if clock is not None else nullcontext()
 
 
 class _Span:

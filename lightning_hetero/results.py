@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 __all__ = [
     "LoggedValue",
@@ -43,6 +44,7 @@ __all__ = [
     "combine_logs",
     "relog",
     "merge_outputs",
+    "sync_metrics_over",
 ]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -257,3 +259,16 @@ def merge_outputs(parts: list[tuple[int, Any]]) -> Any:
     if isinstance(first, (list, tuple)):
         return type(first)(merge_outputs([(n, out[i]) for n, out in parts]) for i in range(len(first)))
     return [output for _, output in parts]
+
+
+def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sync every torchmetrics ``Metric`` of the module over ``group`` (gloo), through CPU copies:
+    a metric's state may sit on a GPU stage on one rank and on the CPU on another."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            metric.process_group = group
+            metric.dist_sync_fn = _gather_on_cpu
+
+
+def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:
+    return [t.to(tensor.device) for t in gather_all_tensors(tensor.cpu(), group)]

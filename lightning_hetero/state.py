@@ -24,6 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
+from lightning_hetero.topology import gather_object_to
 
 __all__ = [
     "refresh_replicas",
@@ -66,10 +67,7 @@ def gather_optimizer_state(local: dict[str, Any], group: dist.ProcessGroup) -> d
 
 
 def _gather(obj: Any, group: dist.ProcessGroup) -> list[Any] | None:
-    rank = dist.get_rank(group)
-    parts: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(obj, parts, dst=dist.get_global_rank(group, 0), group=group)
-    return parts
+    return gather_object_to(obj, dist.get_global_rank(group, 0), group)
 
 
 def with_offloaded_state(optimizer: Optimizer, steps: Sequence[BucketStep]) -> dict[str, Any]:

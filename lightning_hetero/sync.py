@@ -7,8 +7,13 @@ workers sum the gradients of that stage's parameters in one flat buffer (gloo; C
 through a pinned CPU buffer). Where there are several nodes, each rank then averages with its
 peers on the other nodes.
 
-Coarse mode (``GradientSync``) sums everything after the backward. Fine mode (``OverlappedSync``)
-sums and steps bucket by bucket while the backward is still running.
+Both modes implement one interface, ``GradSync``, which the step engine calls at the same points
+of every optimizer step (``engine.py``): ``begin`` before the backward of its last batch,
+``after_backward`` once that backward is done, ``finish`` in Lightning's backward, ``clip_by_norm``
+and ``clip_by_value`` from the precision plugin, ``close`` at teardown. Coarse mode (``CoarseSync``)
+sums everything in ``finish``, after the backward. Fine mode (``FineSync``) sums and steps bucket by
+bucket while the backward is still running, and has clipped and stepped everything by
+``after_backward``.
 """
 
 from __future__ import annotations
@@ -27,12 +32,19 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_hetero.finite import finite_flag
+from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, param_index
+from lightning_hetero.record import StepClock, span
 
 __all__ = [
-    "GradientSync",
-    "OverlappedSync",
+    "GradSync",
+    "CoarseSync",
+    "FineSync",
+    "GlobalNorm",
+    "Clipping",
     "clip_to_norm",
     "Bucket",
     "make_buckets",
@@ -41,6 +53,9 @@ __all__ = [
     "add_grads",
     "global_grad_norm",
 ]
+
+Clipping = tuple[Optional[float], Optional[float]]
+"""(clip by value, clip by norm), as the Trainer is set."""
 
 
 def set_grads_aside(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -141,8 +156,72 @@ class _FlatBucket:
         self.stream.synchronize()
 
 
-class GradientSync:
-    """Sums each stage's gradients over its sync group, then averages over nodes.
+class GradSync:
+    """How this rank's gradients are summed with the other workers' and stepped; the step engine
+    calls these at the same points of every optimizer step. This base sums nothing (a run that only
+    evaluates); ``CoarseSync`` and ``FineSync`` are the two modes."""
+
+    overlaps = False
+    """Whether buckets are summed and stepped during the backward (fine mode)."""
+
+    @property
+    def bucket_steps(self) -> list[BucketStep]:
+        """This rank's bucket steps (fine mode), which hold offloaded optimizer state."""
+        return []
+
+    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+        """Before the backward of an optimizer step's last batch, in which each used parameter
+        receives ``arrivals`` gradients. ``detached``: the CPU workers had no share of this optimizer
+        step and keep out of its sum; ``takes_part``: whether this rank sums (a CPU worker kept out
+        does not). Returns whether the backward's gradients go to the sync as they arrive, so the
+        worker must leave them in ``.grad``."""
+        return False
+
+    def after_backward(self, finite: bool, clock: Optional[StepClock]) -> tuple[bool, bool]:
+        """After that backward, in the training step; ``finite``: whether the rest of this rank's
+        window (its losses, earlier batches) was finite. Returns whether this rank's own gradients
+        were finite, and whether the optimizer step is skipped on every rank (where those are known here)."""
+        return True, False
+
+    def finish(self, clock: Optional[StepClock]) -> None:
+        """In Lightning's backward, with the last batch's gradients back in ``.grad``."""
+
+    def abort(self) -> None:
+        """Stop after a failure in the step: nothing more starts."""
+
+    def clip_by_norm(self, params: Sequence[Tensor], max_norm: float) -> None:
+        """Clip to a global norm of ``max_norm`` (a collective: every rank calls it)."""
+
+    def clip_by_value(self, params: Sequence[Tensor], value: float) -> None:
+        """Clip every gradient to ``[-value, value]``."""
+
+    def set_threads(self, threads: int) -> None:
+        """The torch threads of the sync's own threads, where it has any."""
+
+    def close(self) -> None:
+        """Release hooks and threads (teardown)."""
+
+
+@dataclass(frozen=True)
+class GlobalNorm:
+    """The norm of all of the model's gradients from this rank's, identical on every rank (a
+    collective over ``group``; see ``global_grad_norm``)."""
+
+    slot: Optional[int]
+    """The stage whose gradients this rank holds; ``None`` on a replica, whose gradients count for
+    nothing (after the sum they equal the stages')."""
+    num_stages: int
+    num_nodes: int
+    group: dist.ProcessGroup
+
+    def __call__(self, grads: Sequence[Tensor], finite: bool = True) -> Tensor:
+        own = grads if self.slot is not None else None
+        return global_grad_norm(own, self.slot or 0, self.num_stages, self.num_nodes, group=self.group, finite=finite)
+
+
+class CoarseSync(GradSync):
+    """Coarse mode: after the backward, sum each stage's gradients over its sync group, then
+    average over nodes; clip with the global norm.
 
     ``buckets`` holds, for each stage this rank takes part in, the parameters of that stage (on
     this rank) and the stage's sync group; ranks with nothing to sum with (no CPU worker) pass none.
@@ -151,19 +230,143 @@ class GradientSync:
     def __init__(
         self,
         buckets: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None]],
-        replica_group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None,
+        norm: Callable[[Sequence[Tensor]], Tensor],
     ) -> None:
         self._buckets = [_FlatBucket(params, group) for params, group in buckets if group is not None and params]
         params = [p for params, _ in buckets for p in params]
         self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
+        self._norm = norm
+        self._detached, self._takes_part = False, True
 
-    def all_reduce(self, detached: bool = False) -> None:
-        """Sum with the CPU workers (unless they are ``detached``: they had no share of the batch,
-        and keep out), then average over nodes."""
-        if not detached:
-            _all_reduce(self._buckets)
-        if self._nodes is not None:
-            _all_reduce([self._nodes])
+    @override
+    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+        self._detached, self._takes_part = detached, takes_part
+        return False
+
+    @override
+    def finish(self, clock: Optional[StepClock]) -> None:
+        if not self._takes_part:
+            return
+        with span(clock, "sync"):
+            if not self._detached:
+                _all_reduce(self._buckets)
+            if self._nodes is not None:
+                _all_reduce([self._nodes])
+
+    @override
+    def clip_by_norm(self, params: Sequence[Tensor], max_norm: float) -> None:
+        clip_to_norm(params, max_norm, self._norm([p.grad for p in params if p.grad is not None]))
+
+    @override
+    def clip_by_value(self, params: Sequence[Tensor], value: float) -> None:
+        with_grads = [p for p in params if p.grad is not None]
+        if with_grads:
+            torch.nn.utils.clip_grad_value_(with_grads, value)
+
+
+class FineSync(GradSync):
+    """Fine mode: each bucket is summed and stepped while the backward goes on (``_Overlap``).
+
+    ``buckets`` are this rank's buckets in bucket order: their parameters, the sync group they are
+    summed over, and whether their step is offloaded to the CPU (``offload.py``). Each is stepped
+    with the user's ``optimizer`` restricted to it; when the optimizer's parameters change
+    (``add_param_group`` while fine-tuning), the steps are built again with the offloaded state
+    carried over.
+    """
+
+    overlaps = True
+
+    def __init__(
+        self,
+        buckets: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, bool]],
+        optimizer: Optimizer,
+        replica_group: dist.ProcessGroup | None,
+        norm: Callable[[Sequence[Tensor], bool], Tensor],
+        skip_nonfinite: bool = False,
+    ) -> None:
+        self._buckets = [(list(params), group, offloaded) for params, group, offloaded in buckets]
+        self._optimizer = optimizer
+        self._replica_group = replica_group
+        self._norm = norm
+        self._skip_nonfinite = skip_nonfinite
+        self._threads: Optional[int] = None
+        self._overlap = self._build()
+        self._takes_part = True
+
+    def _build(self) -> _Overlap:
+        self._layout = param_index(self._optimizer)
+        entries = []
+        for params, group, offloaded in self._buckets:
+            step = (OffloadStep if offloaded else DeviceStep)(self._optimizer, params, self._layout)
+            entries.append((params, group, step))
+        overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite)
+        if self._threads is not None:
+            overlap.set_threads(self._threads)
+        return overlap
+
+    def _refresh(self) -> None:
+        if param_index(self._optimizer) == self._layout:
+            return
+        old = self._overlap
+        states = {p: s for step in old.steps if isinstance(step, OffloadStep) for p, s in step.state().items()}
+        old.close()
+        self._overlap = self._build()
+        for step in self._overlap.steps:
+            if isinstance(step, OffloadStep):
+                step.load_state(states)
+
+    @property
+    @override
+    def bucket_steps(self) -> list[BucketStep]:
+        return self._overlap.steps
+
+    @property
+    def handed_early(self) -> int:
+        """Buckets of the last optimizer step started while its backward was still running."""
+        return self._overlap.handed_early
+
+    @property
+    def stepped_early(self) -> int:
+        """Buckets of the last optimizer step whose step had finished before its backward returned."""
+        return self._overlap.stepped_early
+
+    @override
+    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+        self._refresh()
+        self._clip_norm = clipping[1]
+        self._takes_part = takes_part
+        if takes_part:
+            self._overlap.begin(arrivals, *clipping, detached=detached)
+        return takes_part
+
+    @override
+    def after_backward(self, finite: bool, clock: Optional[StepClock]) -> tuple[bool, bool]:
+        if not self._takes_part:
+            # A CPU worker kept out of the step; where the buckets wait for the global norm, it
+            # joins that collective (with no gradients of its own) and learns the verdict.
+            if not self._overlap.defers_steps(self._clip_norm):
+                return True, False
+            total = self._norm([], finite)
+            return True, self._skip_nonfinite and not bool(torch.isfinite(total))
+        with span(clock, "sync"):
+            self._overlap.finish(finite)
+        if clock is not None:
+            clock.add("optimizer", self._overlap.step_seconds)
+        return self._overlap.grads_finite, self._overlap.skipped
+
+    @override
+    def abort(self) -> None:
+        self._overlap.abort()
+
+    @override
+    def set_threads(self, threads: int) -> None:
+        self._threads = threads
+        self._overlap.set_threads(threads)
+
+    @override
+    def close(self) -> None:
+        self._overlap.close()
 
 
 def _all_reduce(buckets: Sequence[_FlatBucket]) -> None:
@@ -231,8 +434,8 @@ def make_buckets(
     return buckets
 
 
-class OverlappedSync:
-    """Fine mode: each bucket is summed and stepped as soon as the backward is done with it.
+class _Overlap:
+    """Each bucket summed and stepped as soon as the backward is done with it (``FineSync``).
 
     A hook on every parameter counts the gradients it receives during the final backward of an
     optimizer step (one per micro-batch on a stage, one on a CPU worker). As soon as all of a

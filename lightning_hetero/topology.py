@@ -7,15 +7,17 @@ holds a full replica of the model. Several nodes are data-parallel replicas of e
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.accelerators.cuda import num_cuda_devices
+from lightning.fabric.utilities.distributed import _init_dist_connection
 
 __all__ = [
     "Role",
@@ -27,6 +29,9 @@ __all__ = [
     "threads_for",
     "usable_cores",
     "restart_store",
+    "gather_object_to",
+    "destroy_process_groups",
+    "connect",
 ]
 
 StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
@@ -111,6 +116,20 @@ class Topology:
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
         return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
+
+    def device_names(self) -> list[str]:
+        """Each global rank's name in logs: its role (``cpu0``, ``stage1``), ``node1.stage0`` on
+        further nodes."""
+        names = []
+        for rank in range(self.world_size):
+            node, local = divmod(rank, self.procs_per_node)
+            names.append(str(self.role(local)) if node == 0 else f"node{node}.{self.role(local)}")
+        return names
+
+    def rank_name(self, node: int, local_rank: int) -> str:
+        """A process, for messages: ``global rank 2 (stage1 of <the layout>)``."""
+        rank = node * self.procs_per_node + local_rank
+        return f"global rank {rank} ({self.role(local_rank)} of {self.describe()})"
 
 
 def usable_cores() -> int:
@@ -264,6 +283,42 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
             if global_rank in ranks:
                 replica = group
     return ProcessGroups(control=control, node=node_group, stage=stage_group, sync=sync, replica=replica)
+
+
+def gather_object_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:
+    """Every member's ``obj`` (picklable), in the group's rank order, on global rank ``dst``;
+    ``None`` on the others (a collective over ``group``)."""
+    parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, parts, dst=dst, group=group)
+    return parts
+
+
+def connect(environment: Any, topology: Topology, global_rank: int, timeout: timedelta, rank_name: str) -> ProcessGroups:
+    """Join the run's default process group (in the store of a torchrun restart where there is one,
+    ``restart_store``) and build every group (collective). ``rank_name``: this process, for errors."""
+    store = restart_store(timeout)
+    try:
+        _init_dist_connection(
+            environment, world_backend(topology), timeout=timeout, **({"store": store} if store is not None else {})
+        )
+    except dist.DistError as error:
+        error.add_note(
+            f"[hetero] On {rank_name}: not all {topology.world_size} processes of the layout joined"
+            f" within the timeout ({timeout.total_seconds():g} s). With `num_nodes={topology.num_nodes}`,"
+            " start the same command on every node: torchrun or srun on each, or, with the strategy's own"
+            " launch, the script with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT` set."
+        )
+        raise
+    atexit.unregister(destroy_process_groups)
+    atexit.register(destroy_process_groups)
+    return build_process_groups(topology, global_rank, timeout)
+
+
+def destroy_process_groups() -> None:
+    """Take every process group down (at exit: a process that exits with gloo groups alive can abort
+    in interpreter finalization, "terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def restart_store(timeout: timedelta) -> dist.Store | None:

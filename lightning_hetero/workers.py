@@ -1,4 +1,12 @@
-"""What each kind of process does with its share of a batch.
+"""The roles of a hetero run's processes, one class each: the CPU worker and the pipeline stage.
+
+A role's class holds everything about a process that depends on what the process is: where its
+part of the model lives (``place``), what it computes of every batch (``train_step``,
+``eval_step``), which parameters it sums with whom (``sync_buckets``, ``owns``), how its gradients
+count in the global norm (``norm_slot``), whether it keeps out of a step the CPU workers had no
+share of (``keeps_out``), how it takes its part of a checkpoint (``load_model_state``), and what it
+does when the CPU workers' replicas are brought up to date (``refresh``). The strategy and the
+step engine never ask which role a process has.
 
 A ``CpuWorker`` runs the module's own step methods (``training_step``, ``validation_step``, ...)
 on its share with the full replica. A ``StageWorker`` runs its slice of the layers in the
@@ -8,7 +16,7 @@ the pipeline's share by the user's own code.
 
 Both do their forward and backward inside ``training_step`` (so every rank knows the step's loss
 when ``training_step`` returns). Lightning zeroes gradients *after* ``training_step``, so the new
-gradients are set aside and the strategy's ``backward`` adds them back (see ``_Worker._train``).
+gradients are set aside and put back in the strategy's ``backward`` (see ``Worker._train``).
 """
 
 from __future__ import annotations
@@ -16,60 +24,60 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_hetero.module import inputs_of, split_inputs_targets
-from lightning_hetero.pipeline import Pipeline
+from lightning_hetero.offload import BucketStep, choose_offloaded
+from lightning_hetero.pipeline import Pipeline, StageModule
+from lightning_hetero.record import span
 from lightning_hetero.results import LogCapture, WorkerReport
-from lightning_hetero.shares import Shares
-from lightning_hetero.sync import restore_grads, set_grads_aside
+from lightning_hetero.shares import Shares, slice_batch
+from lightning_hetero.state import refresh_replicas
+from lightning_hetero.sync import (
+    Bucket,
+    CoarseSync,
+    FineSync,
+    GlobalNorm,
+    GradSync,
+    add_grads,
+    make_buckets,
+    restore_grads,
+    set_grads_aside,
+)
 
-__all__ = ["CpuWorker", "StageWorker", "GradPolicy", "slice_batch", "batch_size_of"]
+__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "GradPolicy", "ROLES"]
 
 GradPolicy = Literal["keep", "drop", "accumulate"]
 
 
-def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch: the first dimension of its tensors, which must agree, since
-    every tensor of a batch is divided between the workers along it (``slice_batch``)."""
-    tensors = _tensors(batch)
-    if not tensors:
-        raise TypeError(f"Cannot tell the batch size of a {type(batch).__name__}; batches must hold tensors.")
-    if any(t.dim() == 0 for t in tensors) or len({t.shape[0] for t in tensors}) > 1:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise ValueError(
-            "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
-            f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
-            f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers)."
-        )
-    return tensors[0].shape[0]
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's model lives on one node: its blocks, each stage's slice of them, the groups
+    each stage sums its gradients over with the CPU workers, and the stages' global ranks."""
 
+    layers: list[nn.Module]
+    bounds: list[tuple[int, int]]
+    """Each stage's ``[start, stop)`` blocks."""
+    sync_groups: list[Optional[dist.ProcessGroup]]
+    """Stage ``s``'s sync group, where this rank is a member (``ProcessGroups.sync``)."""
+    stage_ranks: list[int]
 
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
-    if isinstance(batch, (tuple, list)):
-        return [t for value in batch for t in _tensors(value)]
-    return []
+    def stage_params(self, stage: int) -> list[nn.Parameter]:
+        """The parameters of ``stage``'s blocks, frozen ones included (they may be unfrozen later)."""
+        start, stop = self.bounds[stage]
+        return [p for layer in self.layers[start:stop] for p in layer.parameters()]
 
-
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``[start, stop)`` of every tensor in the batch."""
-    if isinstance(batch, Tensor):
-        return batch[start:stop]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, start, stop) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
-    return batch
+    def stage_params_all(self) -> list[list[nn.Parameter]]:
+        return [self.stage_params(s) for s in range(len(self.bounds))]
 
 
 def _loss_of(output: Any, method: str) -> Tensor:
@@ -82,16 +90,98 @@ def _loss_of(output: Any, method: str) -> Tensor:
     return loss
 
 
-class _Worker:
-    """Shared by both roles: the parameters this rank trains, and the gradients set aside."""
+class Worker:
+    """What every role has: the module, the parameters this rank trains, the gradients set aside."""
 
-    def __init__(self, module: LightningModule, params: Sequence[nn.Parameter]) -> None:
+    speed_key = ""
+    """Which of the strategy's ``emulated_speed`` keys paces this role (testing only)."""
+    device = torch.device("cpu")
+    """Where this rank computes."""
+    norm_slot: Optional[int] = None
+    """The stage whose gradients this rank's count as in the global norm (``sync.GlobalNorm``);
+    ``None`` where they count for nothing (a replica's equal the stages' after the sum)."""
+
+    def __init__(self, module: LightningModule, params: Sequence[nn.Parameter], placement: Placement) -> None:
         self.module = module
         self.params = list(params)
+        self.placement = placement
         self.fresh_grads: list[Tensor | None] | None = None
         self.pace = 0.0
         """TESTING ONLY: seconds per sample this worker's training share takes at least (the
         strategy's ``emulated_speed``); 0 runs at the real speed."""
+
+    def expected_grads(self, shares: Shares) -> int:
+        """Gradients each used parameter receives in this step's backward."""
+        raise NotImplementedError
+
+    def train_step(
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
+    ) -> tuple[WorkerReport, Any]:
+        """Forward and backward of this rank's share: its report, and the step method's output."""
+        raise NotImplementedError
+
+    def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
+        raise NotImplementedError
+
+    def put_back_grads(self) -> None:
+        """Add the gradients ``train_step`` set aside back into ``.grad``, as a backward would."""
+        if self.fresh_grads is not None:
+            add_grads(self.params, self.fresh_grads)
+            self.fresh_grads = None
+
+    def recorded_samples(self, shares: Shares, report: WorkerReport) -> int:
+        """The samples this rank's step record counts (``StepRecord.samples``)."""
+        return report.samples
+
+    def keeps_out(self, detached: bool) -> bool:
+        """Whether this rank keeps out of an optimizer step's sum and step, ``detached`` saying the
+        CPU workers had no share of its batches."""
+        return False
+
+    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
+        """The parameters this rank sums with the CPU workers, per stage, with that stage's group."""
+        raise NotImplementedError
+
+    def owns(self, bucket: Bucket) -> bool:
+        """Whether this rank sums and steps ``bucket`` (fine mode)."""
+        raise NotImplementedError
+
+    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
+        """Bring the CPU workers' stale replicas up to date from the stages (a collective)."""
+        raise NotImplementedError
+
+    def build_sync(
+        self,
+        mode: str,
+        *,
+        norm: GlobalNorm,
+        replica_group: Optional[dist.ProcessGroup],
+        optimizer: Optimizer,
+        bucket_bytes: int,
+        offload: Any,
+        control: dist.ProcessGroup,
+        skip_nonfinite: bool,
+    ) -> GradSync:
+        """The mode's gradient sync for what this rank sums (``sync_buckets``) or steps (``owns``);
+        which fine-mode buckets are offloaded is decided alike on every rank (``choose_offloaded``,
+        a collective over ``control``)."""
+        if mode == "coarse":
+            return CoarseSync(self.sync_buckets(), replica_group, norm)
+        place = self.placement
+        buckets = make_buckets(place.layers, place.bounds, bucket_bytes)
+        params = [[p for layer in place.layers[slice(*b.layers)] for p in layer.parameters()] for b in buckets]
+        own = [b for b in buckets if self.owns(b)]
+        offloaded = choose_offloaded(offload, buckets, own, params, self.device, control)
+        entries = [(params[b.index], place.sync_groups[b.stage], b.index in offloaded) for b in own]
+        return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite)
+
+    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
+        """Take this rank's part of a checkpoint's ``state_dict``."""
+        self.module.load_state_dict(state_dict, strict=strict)
+
+    def note(self) -> str:
+        """What an error message should know about a failure on this rank."""
+        return ""
 
     def _pad(self, samples: int, started: float, clock: Any = None, kind: str = "") -> None:
         """Sleep out the rest of ``samples * pace`` seconds since ``started`` (timed as ``kind``)."""
@@ -134,18 +224,27 @@ class _Worker:
         return report, output
 
 
-class CpuWorker(_Worker):
+class CpuWorker(Worker):
     """A full replica on the CPU, running the module's own step methods on its share."""
 
-    def __init__(self, module: LightningModule, params: Sequence[nn.Parameter], index: int) -> None:
-        super().__init__(module, params)
+    speed_key = "cpu"
+
+    def __init__(self, module: LightningModule, placement: Placement, index: int) -> None:
+        super().__init__(module, [p for params in placement.stage_params_all() for p in params], placement)
         self.index = index
 
+    @classmethod
+    def place(cls, module: LightningModule, placement: Placement, index: int, **devices: Any) -> CpuWorker:
+        """CPU worker ``index``: the whole replica stays as it is."""
+        return cls(module, placement, index)
+
+    @override
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each parameter receives in this step's backward (one per backward pass)."""
         start, stop = shares.cpu[self.index]
         return 1 if stop > start else 0
 
+    @override
     def train_step(
         self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
     ) -> tuple[WorkerReport, Any]:
@@ -154,36 +253,88 @@ class CpuWorker(_Worker):
             self._train(lambda: None, grads)
             return WorkerReport(), None
 
-        @_timed(clock, "compute")
         def compute() -> tuple[WorkerReport, Any]:
-            started = time.perf_counter()
-            share = slice_batch(batch, start, stop)
-            report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
-            weight = (stop - start) / (shares.batch_size * accumulate)
-            self.module.backward(_loss_of(output, "training_step") * weight)
-            self._pad(stop - start, started)
-            return report, output
+            with span(clock, "compute"):
+                started = time.perf_counter()
+                share = slice_batch(batch, start, stop)
+                report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
+                weight = (stop - start) / (shares.batch_size * accumulate)
+                self.module.backward(_loss_of(output, "training_step") * weight)
+                self._pad(stop - start, started)
+                return report, output
 
         return self._train(compute, grads)
 
+    @override
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = shares.cpu[self.index]
         if start == stop:
             return WorkerReport(), None
         return self._run_step(method, slice_batch(batch, start, stop), rest, stop - start, shares.batch_size)
 
+    @override
+    def keeps_out(self, detached: bool) -> bool:
+        return detached
 
-class StageWorker(_Worker):
+    @override
+    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
+        return list(zip(self.placement.stage_params_all(), self.placement.sync_groups))
+
+    @override
+    def owns(self, bucket: Bucket) -> bool:
+        return True
+
+    @override
+    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
+        place = self.placement
+        refresh_replicas(True, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+
+
+class StageWorker(Worker):
     """One pipeline stage; the last one replays the module's step methods on the pipeline's outputs."""
 
-    def __init__(self, module: LightningModule, params: Sequence[nn.Parameter], pipeline: Pipeline) -> None:
-        super().__init__(module, params)
-        self.pipeline = pipeline
+    speed_key = "pipeline"
 
+    def __init__(self, module: LightningModule, placement: Placement, pipeline: Pipeline) -> None:
+        super().__init__(module, placement.stage_params(pipeline.stage_index), placement)
+        self.pipeline = pipeline
+        self.norm_slot = pipeline.stage_index
+        self.device = pipeline.device
+
+    @classmethod
+    def place(
+        cls,
+        module: LightningModule,
+        placement: Placement,
+        index: int,
+        *,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        schedule: type,
+    ) -> StageWorker:
+        """Stage ``index``: its blocks stay (they go to its device with the module), the others go to
+        the meta device (shapes only), so nothing can use their stale values."""
+        start, stop = placement.bounds[index]
+        for i, layer in enumerate(placement.layers):
+            if not start <= i < stop:
+                layer.to("meta")
+        pipeline = Pipeline(
+            module=StageModule(placement.layers[start:stop]),
+            stage_index=index,
+            num_stages=len(placement.bounds),
+            device=device,
+            group=group,
+            schedule=schedule,
+            loss_fn=module.pipeline_loss,
+        )
+        return cls(module, placement, pipeline)
+
+    @override
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each parameter receives in this step's backward: one per micro-batch."""
         return shares.micro_batches if shares.pipeline_size else 0
 
+    @override
     def train_step(
         self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
     ) -> tuple[WorkerReport, Any]:
@@ -195,21 +346,56 @@ class StageWorker(_Worker):
         inputs, targets = split_inputs_targets(share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
 
-        @_timed(clock, "pipeline")
         def compute() -> tuple[Any, float]:
-            started = time.perf_counter()
-            result = self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
-            self._pad(stop - start, started, clock, "stage")  # emulated work counts as this stage's compute
-            return result
+            with span(clock, "pipeline"):
+                started = time.perf_counter()
+                result = self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+                self._pad(stop - start, started, clock, "stage")  # emulated work counts as this stage's compute
+                return result
 
         outputs, pipeline_loss = self._train(compute, grads)
         if not self.pipeline.is_last:
             return WorkerReport(), None
-        with clock.span("compute") if clock is not None else nullcontext():
+        with span(clock, "compute"):
             report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
         _check_same_loss(type(self.module).__name__, report, pipeline_loss)
         return report, output
 
+    @override
+    def recorded_samples(self, shares: Shares, report: WorkerReport) -> int:
+        return shares.pipeline_size
+
+    @override
+    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
+        return [(self.params, self.placement.sync_groups[self.pipeline.stage_index])]
+
+    @override
+    def owns(self, bucket: Bucket) -> bool:
+        return bucket.stage == self.pipeline.stage_index
+
+    @override
+    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
+        place = self.placement
+        refresh_replicas(False, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+
+    @override
+    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
+        # The other stages' blocks are on the meta device here: take only this stage's entries.
+        meta = {k for k, v in self.module.state_dict().items() if torch.is_tensor(v) and v.is_meta}
+        self.module.load_state_dict({k: v for k, v in state_dict.items() if k not in meta}, strict=False)
+
+    @override
+    def note(self) -> str:
+        note = " The layers of the other stages exist only on the meta device on this rank."
+        if not self.pipeline.is_last:
+            note += (
+                " A stage before the last never sees the model's outputs, so your step methods do not run"
+                " here: outputs they collect stay empty, and hooks such as `on_validation_epoch_end` must"
+                " handle none."
+            )
+        return note
+
+    @override
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = shares.pipeline
         if start == stop:
@@ -244,21 +430,6 @@ class StageWorker(_Worker):
         return report, output
 
 
-def _timed(clock: Any, kind: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
-    """Decorate a step's work so it is timed into ``clock`` as ``kind`` (not at all without one)."""
-
-    def wrap(work: Callable[[], Any]) -> Callable[[], Any]:
-        def timed() -> Any:
-            if clock is None:
-                return work()
-            with clock.span(kind):
-                return work()
-
-        return timed
-
-    return wrap
-
-
 def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> None:
     """The stages train on ``pipeline_loss``; a ``training_step`` that returns another loss would
     train the CPU worker's share on something else, so say so instead of training a wrong model.
@@ -274,3 +445,7 @@ def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> 
             " target)`, so `training_step` must return exactly that loss (no extra terms); put regularizers"
             " into `pipeline_loss` or into the layers."
         )
+
+
+ROLES: dict[str, type[CpuWorker] | type[StageWorker]] = {"cpu": CpuWorker, "stage": StageWorker}
+"""Each ``topology.Role.kind``'s class."""

@@ -261,7 +261,7 @@ def test_the_cores_are_probed_only_where_processes_share_them() -> None:
         topology = Topology(cpu_workers=cpu_workers, stage_devices=tuple(torch.device(s) for s in stages))
         role = topology.role(local_rank)
         device = topology.local_devices[local_rank]
-        return WorkloadAnalyzer._sharing(SimpleNamespace(root_device=device, role=role, topology=topology, _cpu_threads=None))
+        return WorkloadAnalyzer._sharing(SimpleNamespace(root_device=device, role=role, topology=topology, plan=SimpleNamespace(cpu_threads=None)))
 
     assert sharing(("cuda:0", "cuda:1"), 1, 0) == {}  # the one CPU worker
     assert sharing(("cuda:0", "cuda:1"), 1, 1) == {}  # a GPU stage

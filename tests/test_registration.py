@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 
 from lightning_hetero import HeteroAccelerator, HeteroStrategy
+from lightning_hetero.sync import FineSync
 from lightning_hetero.topology import usable_cores
 from tests.conftest import trainer
 from tests.models import Net, column, read_metrics, regression_data
@@ -77,9 +78,9 @@ class RecordThreads(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.threads.append(torch.get_num_threads())
-        overlap = trainer.strategy._overlap
-        if overlap is not None:  # fine mode's step thread follows too
-            assert overlap._stepper.submit(torch.get_num_threads).result() == self.threads[-1]
+        sync = trainer.strategy.grad_sync
+        if isinstance(sync, FineSync):  # fine mode's step thread follows too
+            assert sync._overlap._stepper.submit(torch.get_num_threads).result() == self.threads[-1]
         if batch_idx == 0:
             trainer.strategy.set_cpu_fraction(0.0)
 

@@ -1,9 +1,9 @@
 """``WorkloadAnalyzer``: measure the workload at fit start, plan the run, and check the plan.
 
-Before the strategy cuts the model into stages, every process profiles every layer on its own
-device (a stage's GPU, an emulated stage's CPU process, the CPU worker with its threads) with the
-real first batch, and the links it uses; global rank 0 plans from those measurements and every
-rank applies the same plan. The plan and its predicted step time are logged (hyperparameters,
+In its ``setup`` hook, before the strategy cuts the model into stages, every process profiles
+every layer on its own device (a stage's GPU, an emulated stage's CPU process, the CPU worker with
+its threads) with the real first batch, and the links it uses; global rank 0 plans from those
+measurements and every rank applies the same plan (``HeteroStrategy.apply_plan``). The plan and its predicted step time are logged (hyperparameters,
 wandb config), written next to the logs with the profile, and explained as a table; once
 training runs, the measured step time is logged beside the prediction.
 """
@@ -22,9 +22,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
+from lightning_hetero.data import training_loader
 from lightning_hetero.module import layer_names, split_inputs_targets
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
@@ -53,16 +57,14 @@ from lightning_hetero.profiling import (
 )
 from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
-from lightning_hetero.topology import Role, threads_for, usable_cores
-from lightning_hetero.workers import batch_size_of
+from lightning_hetero.shares import batch_size_of
+from lightning_hetero.strategy import hetero_strategy
+from lightning_hetero.topology import Role, gather_object_to, threads_for, usable_cores
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
 __all__ = ["WorkloadAnalyzer"]
-
-_SCHEDULE_NAMES = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
-
 
 def fixed_cost(step: Sequence[tuple[float, float, float]]) -> float:
     """One step's fixed cost from every rank's ``(data, wait, optimizer)`` seconds of it (see
@@ -125,18 +127,29 @@ class WorkloadAnalyzer(L.Callback):
 
     # ------------------------------------------------------------ planning
 
-    def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
-        """Profile on every rank, plan on rank 0, and return the plan on every rank (collective).
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Plan a fit's layout on every rank, and apply it before the strategy cuts the model."""
+        strategy = hetero_strategy(trainer)
+        if strategy is None or stage != TrainerFn.FITTING or self.plan is not None:
+            return
+        if is_overridden("configure_model", pl_module):
+            # Lightning builds these layers right after this hook; the hook is idempotent (its contract).
+            with strategy.tensor_init_context(), strategy.precision_plugin.module_init_context():
+                pl_module.configure_model()
+        layers = strategy.check_model(pl_module)
+        strategy.precision_plugin.convert_module(pl_module)  # profile in the run's precision
+        strategy.apply_plan(self.plan_layout(trainer, strategy, layers))
 
-        Called by the strategy after the model is in the run's precision and before it is cut."""
+    def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
+        """Profile on every rank, plan on rank 0, and return the plan on every rank (collective)."""
         module = trainer.lightning_module
-        batch = strategy.precision_plugin.convert_input(next(iter(trainer.fit_loop._data_source.dataloader())))
+        batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
         mine = self._measure(strategy, module, layers, *split_inputs_targets(batch), batch_size)
         assert strategy.process_groups is not None
         control = strategy.process_groups.control
-        parts: Optional[list[Any]] = [None] * dist.get_world_size(control) if strategy.global_rank == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=control)
+        parts = gather_object_to(mine, 0, control)
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
@@ -222,9 +235,9 @@ class WorkloadAnalyzer(L.Callback):
         on_cpu = topology.cpu_workers + sum(d.type == "cpu" for d in topology.stage_devices)
         layouts = {}
         if on_cpu > 1:
-            layouts["shared"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=True)
+            layouts["shared"] = threads_for(role, topology, cores, strategy.plan.cpu_threads, cpu_share=True)
         if role.is_stage:
-            layouts["stages"] = threads_for(role, topology, cores, strategy._cpu_threads, cpu_share=False)
+            layouts["stages"] = threads_for(role, topology, cores, strategy.plan.cpu_threads, cpu_share=False)
         return layouts
 
     def _step_work(self, module: nn.Module, layers: list[nn.Module], inputs: Any, targets: Any) -> Optional[Any]:
@@ -335,15 +348,14 @@ class WorkloadAnalyzer(L.Callback):
             shared_cores=_shared_cores(parts, cores),
         )
         topology = strategy.topology
-        schedule = _SCHEDULE_NAMES.get(strategy._schedule.__name__, strategy._schedule.__name__)
         plan, prediction = plan_run(
             profile,
             _machine(strategy, profile),
             batch_size,
             mode=strategy.mode,
-            schedule=schedule,
+            schedule=strategy.plan.schedule,
             max_micro_batches=self.max_micro_batches,
-            bucket_size_mb=strategy._bucket_bytes / 2**20,
+            bucket_size_mb=strategy.plan.bucket_size_mb,
         )
         cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
         workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
@@ -353,7 +365,7 @@ class WorkloadAnalyzer(L.Callback):
 
     def _load_time(self, trainer: L.Trainer, batches: int = 3) -> float:
         """Seconds the training process takes to load a batch itself (median of a few)."""
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = training_loader(trainer)
         iterator, times = iter(loader), []
         for _ in range(batches):
             start = time.perf_counter()
@@ -366,6 +378,7 @@ class WorkloadAnalyzer(L.Callback):
 
     # -------------------------------------------------------------- hooks
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.plan is None or self.prediction is None or self.profile is None:
             return
@@ -386,6 +399,7 @@ class WorkloadAnalyzer(L.Callback):
             (directory / "explain.txt").write_text(table + "\n")
             rank_zero_info(f"WorkloadAnalyzer plan (also in {directory}):\n{self.plan.table()}\n\n{table}")
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.prediction is None or self.measured_step_s is not None:
             return
@@ -510,7 +524,7 @@ def _machine(strategy: "HeteroStrategy", profile: Profile) -> Machine:
     """The machine the run is on, as profiled."""
     topology = strategy.topology
     machine = Machine.as_profiled(profile, [str(d) for d in topology.stage_devices], topology.cpu_workers)
-    machine.cpu_threads = strategy._cpu_threads
+    machine.cpu_threads = strategy.plan.cpu_threads
     return machine
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
 
 from lightning_hetero.devices import device_stats
 from lightning_hetero.files import atomic_write
@@ -201,6 +202,7 @@ class UtilizationMonitor(L.Callback):
         self._last_image = 0
         self._enabled = True
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         self._enabled = strategy is not None
@@ -214,6 +216,7 @@ class UtilizationMonitor(L.Callback):
                 for logger in trainer.loggers:  # the run's config
                     logger.log_hyperparams({"hetero_layout": strategy.layout()})
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = hetero_strategy(trainer)
         if strategy is None or not self._enabled:
@@ -228,6 +231,7 @@ class UtilizationMonitor(L.Callback):
         if self.trace_every_n_steps and trainer.global_step % self.trace_every_n_steps == 0:
             self._write_trace(trainer, strategy)
 
+    @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         if strategy is not None and self._enabled:

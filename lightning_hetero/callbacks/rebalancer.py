@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_hetero.record import StepRecord
 from lightning_hetero.shares import split_batch
@@ -421,6 +422,7 @@ class AdaptiveRebalancer(L.Callback):
 
     # ------------------------------------------------------------ callback hooks
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         self._enabled = strategy is not None and strategy.topology.cpu_workers > 0
@@ -444,6 +446,7 @@ class AdaptiveRebalancer(L.Callback):
         # Rank 0's word, whatever each rank restored.
         self._apply(trainer, strategy, strategy.broadcast((decision, self.balancer.state_dict()), src=0))
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = hetero_strategy(trainer)
         if strategy is None or not self._enabled or self.balancer is None:
@@ -522,11 +525,13 @@ class AdaptiveRebalancer(L.Callback):
 
     # ------------------------------------------------------------- checkpoints
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         if self.balancer is None:
             return {}
         return {"balancer": self.balancer.state_dict(), "decisions": list(self.decisions)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
 

@@ -1,0 +1,302 @@
+"""The step engine: one training step and one evaluation step of a hetero run, start to end.
+
+[Note: one training step]
+Lightning runs an optimizer step through three of the strategy's hooks; the engine does the work
+of each, in this order:
+
+1. ``training_step``: the batch is split into shares (``shares.py``); this rank's worker computes
+   its share, forward and backward (``workers.py``), while fine mode sums and steps each bucket as
+   the backward frees it (``sync.py``); every rank's report is exchanged and its logged values are
+   logged on every rank (``results.py``); the non-finite policy judges what every rank found
+   (``finite.py``). The share's gradients are set aside: Lightning zeroes ``.grad`` next.
+2. ``backward``: the gradients are put back and, at the last batch of an optimizer step, summed
+   over the workers (coarse mode).
+3. ``optimizer_step``: Lightning clips (``HeteroPrecision`` asks the sync, which knows the global
+   norm) and steps; where the step is skipped, every rank steps nothing.
+
+Where gradients accumulate, an optimizer step spans several batches (its *window*); only the last
+one sums and steps. What the engine knows of the step in progress is one ``StepState``, new at the
+first batch of each window. Every decision in it is taken alike on every rank, from what every
+rank knows: the batch, the CPU fraction, and the exchanged reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+
+from lightning_hetero.devices import device_stats
+from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, nonfinite_error, nonfinite_parts
+from lightning_hetero.record import Recorder, StepClock, span
+from lightning_hetero.results import LoggedValue, WorkerReport, combine_logs, combine_loss, merge_outputs
+from lightning_hetero.shares import Shares
+from lightning_hetero.sync import Clipping, GradSync
+from lightning_hetero.topology import gather_object_to
+from lightning_hetero.workers import GradPolicy, Worker
+
+__all__ = ["StepEngine", "StepState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepState:
+    """The optimizer step in progress: its window of batches, and the batch being computed."""
+
+    cpu_share: bool = False
+    """A batch of this window gave the CPU workers a share."""
+    nonfinite: bool = False
+    """A batch of this window saw NaN or Inf on some rank."""
+    syncs: bool = True
+    """This batch ends the window: its gradients are summed and the optimizer steps after it."""
+    detached: bool = False
+    """The CPU workers had no share of this window, and keep out of its sum and step."""
+    skip: bool = False
+    """This window's optimizer step is skipped on every rank (``nonfinite="skip"``)."""
+    samples: int = 0
+    """Samples of this batch this rank's step record counts."""
+    fraction: float = 0.0
+    """The CPU fraction this batch ran with."""
+    step: int = 0
+    """The trainer's global step this batch belongs to."""
+    clock: Optional[StepClock] = field(default=None, repr=False)
+    """This batch's timings, from ``on_train_batch_start`` to its end."""
+
+
+class StepEngine:
+    """Runs this rank's part of every training and evaluation step (see the module's note).
+
+    Args:
+        worker: this rank's role (``workers.py``).
+        exchange: every rank's report from this rank's (a collective; ``ReportExchange``).
+        log: logs combined values through Lightning on this rank (``results.relog``).
+        names: each global rank's device name, for messages.
+        cpu_workers: CPU workers per node.
+        nonfinite: the non-finite policy.
+        device: this rank's device.
+        recorder: this rank's step records (``record.py``).
+        outputs_group, outputs_rank: where predictions are assembled: this node's group and the
+            global rank of its first process.
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        exchange: Callable[[WorkerReport], list[WorkerReport]],
+        log: Callable[[list[LoggedValue]], None],
+        names: list[str],
+        cpu_workers: int,
+        nonfinite: NonfinitePolicy,
+        device: torch.device,
+        recorder: Optional[Recorder] = None,
+        outputs_group: Optional[dist.ProcessGroup] = None,
+        outputs_rank: int = 0,
+    ) -> None:
+        self.worker = worker
+        self.sync = GradSync()
+        """How gradients are summed and stepped; the strategy sets the run's when it fits."""
+        self.state = StepState()
+        self.stale = False
+        """The CPU workers kept out of optimizer steps since they last computed, so their replicas
+        are behind the stages' (on every rank alike); ``refresh_replicas`` brings them up to date."""
+        self.skipped_steps = 0
+        self.report_device_stats = False
+        self.latest_device_stats: dict[str, dict[str, float]] = {}
+        self._exchange = exchange
+        self._log = log
+        self._names = names
+        self._cpu_workers = cpu_workers
+        self._policy = nonfinite
+        self._device = device
+        self.recorder = recorder
+        self._outputs = (outputs_group, outputs_rank)
+
+    # ------------------------------------------------------------ training
+
+    def on_batch_start(self) -> None:
+        """A training batch is ready: start its step record."""
+        if self.recorder is not None:
+            self.state.clock = self.recorder.begin()
+
+    @contextmanager
+    def accumulating(self) -> Generator[None, None, None]:
+        """The batches run inside only accumulate gradients; the window's last one syncs."""
+        self.state.syncs = False
+        try:
+            yield
+        finally:
+            self.state.syncs = True
+
+    def training_step(self, trainer: Any, batch: Any, batch_idx: int, shares: Shares, fraction: float) -> Any:
+        """Step 1: this rank's share, forward and backward; every rank's results; the verdict on
+        non-finite values. Returns what Lightning's ``training_step`` returns: the whole batch's loss
+        (and the step method's other outputs, where this rank ran it)."""
+        accumulate = trainer.accumulate_grad_batches
+        first = batch_idx % accumulate == 0
+        if first:
+            self.state = StepState(clock=self.state.clock, syncs=self.state.syncs)
+        state, worker = self.state, self.worker
+        cpu_share = shares.pipeline_size < shares.batch_size
+        if cpu_share:
+            self.refresh_replicas(_first_optimizer(trainer))
+        state.cpu_share |= cpu_share
+        state.skip, state.fraction, state.step = False, fraction, trainer.global_step
+        state.detached = self._cpu_workers > 0 and state.syncs and not state.cpu_share
+        consumes = state.syncs and self.sync.begin(
+            worker.expected_grads(shares), _clipping(trainer), state.detached, not worker.keeps_out(state.detached)
+        )
+        zero_grad = first and not is_overridden("optimizer_zero_grad", trainer.lightning_module)
+        grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
+        try:
+            report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
+        except BaseException:
+            self.sync.abort()
+            raise
+        report.nonfinite = nonfinite_parts(report.loss, worker.fresh_grads)
+        skipped = False
+        if state.syncs:
+            grads_finite, skipped = self.sync.after_backward(not (report.nonfinite or state.nonfinite), state.clock)
+            if not grads_finite and "gradients" not in report.nonfinite:
+                report.nonfinite += ("gradients",)
+        with span(state.clock, "wait"):
+            reports = self._share(report)
+        self._judge(reports, trainer, batch_idx, skipped)
+        if state.syncs and state.detached and not state.skip:
+            self.stale = True  # the stages step without the CPU workers
+        state.samples = worker.recorded_samples(shares, report)
+        value, dtype = combine_loss(reports) or (float("nan"), None)
+        loss = torch.tensor(value, dtype=dtype, device=self._device)
+        extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+        return {"loss": loss, **extras} if extras else loss
+
+    def backward(self) -> None:
+        """Step 2 (Lightning has zeroed ``.grad`` where the window starts): put the share's gradients
+        back, and at the window's last batch sum them over the workers."""
+        self.worker.put_back_grads()
+        if self.state.syncs and not self.state.skip:
+            self.sync.finish(self.state.clock)
+
+    def finish_backward(self) -> None:
+        """After Lightning's backward hooks: a batch that only accumulates ends its record here
+        (no optimizer step follows it)."""
+        if not self.state.syncs:
+            self._end_record()
+
+    def optimizer_step(self, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any], optimizer: Optimizer) -> Any:
+        """Step 3: Lightning's optimizer step (``step``, around the ``closure`` that runs steps 1
+        and 2), timed from the closure's end; a skipped step drops every gradient first, so the
+        optimizer steps nothing (torch's optimizers skip ``grad=None``)."""
+        after_closure = time.perf_counter()
+
+        def timed_closure() -> Any:
+            nonlocal after_closure
+            try:
+                result = closure()
+            finally:
+                after_closure = time.perf_counter()
+            if self.state.skip:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+            return result
+
+        result = step(timed_closure)
+        if self.state.clock is not None:
+            self.state.clock.add_span("optimizer", after_closure, time.perf_counter())
+        self._end_record()
+        return result
+
+    def refresh_replicas(self, optimizer: Optional[Optimizer]) -> None:
+        """Bring stale CPU-worker replicas up to date from the stages (a collective on every rank; a
+        no-op unless the CPU workers kept out of optimizer steps since they last computed)."""
+        if self.stale:
+            self.worker.refresh(optimizer, self.sync.bucket_steps)
+            self.stale = False
+
+    def _share(self, report: WorkerReport) -> list[WorkerReport]:
+        """Every rank's report, and the combined logged values logged here, so every rank logs the same."""
+        if self.report_device_stats:
+            report.device = device_stats(self._device, meter="step")
+        reports = self._exchange(report)
+        if self.report_device_stats:
+            self.latest_device_stats = {name: r.device or {} for name, r in zip(self._names, reports)}
+        self._log(combine_logs(reports))
+        return reports
+
+    def _judge(self, reports: list[WorkerReport], trainer: Any, batch_idx: int, skipped: bool) -> None:
+        """The non-finite policy, applied to what every rank found: every rank sees the same reports
+        (and fine mode's ``skipped`` verdict), so every rank decides the same."""
+        state = self.state
+        found = {
+            f"{name} (global rank {rank})": report.nonfinite
+            for rank, (name, report) in enumerate(zip(self._names, reports))
+            if report.nonfinite
+        }
+        if found and self._policy == "error":
+            stepped = self.sync.overlaps and state.syncs
+            raise nonfinite_error(found, trainer.global_step, trainer.current_epoch, batch_idx, stepped)
+        state.nonfinite |= bool(found) or skipped
+        state.skip = state.syncs and state.nonfinite
+        if state.skip:
+            self.skipped_steps += 1
+            rank_zero_warn(
+                f"Skipped training step {trainer.global_step} on every rank: NaN or Inf in"
+                f" {describe_nonfinite(found) or 'the summed gradients'} ({self.skipped_steps} skipped so far)."
+            )
+            options = {"on_step": True, "on_epoch": False}
+            self._log([LoggedValue("hetero/skipped_steps", float(self.skipped_steps), 1.0, None, options)])
+
+    def _end_record(self) -> None:
+        state = self.state
+        if self.recorder is not None and state.clock is not None:
+            self.recorder.end(state.step, state.samples, state.fraction)
+            state.clock = None
+
+    # ---------------------------------------------------------- evaluation
+
+    def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> Any:
+        """``validation_step`` or ``test_step`` on this rank's share; logged values combined as in training."""
+        report, output = self._eval(method, batch, rest, shares, optimizer)
+        self._share(report)
+        return output
+
+    def predict_step(self, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> Any:
+        """``predict_step`` on this rank's share; the node's first rank assembles the batch's
+        predictions from every worker's, in batch order (``None`` elsewhere)."""
+        report, output = self._eval("predict_step", batch, rest, shares, optimizer)
+        mine = (report.samples, move_data_to_device(output, "cpu")) if report.samples else None
+        group, first = self._outputs
+        parts = gather_object_to(mine, first, group)
+        return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
+
+    def _eval(self, method: str, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> tuple[WorkerReport, Any]:
+        if shares.pipeline_size < shares.batch_size:
+            self.refresh_replicas(optimizer)
+        return self.worker.eval_step(method, batch, rest, shares)
+
+
+def _clipping(trainer: Any) -> Clipping:
+    """(clip by value, clip by norm) as the Trainer is configured."""
+    value = trainer.gradient_clip_val
+    if not value:
+        return None, None
+    if trainer.gradient_clip_algorithm == "value":
+        return float(value), None
+    return None, float(value)
+
+
+def _first_optimizer(trainer: Any) -> Optional[Optimizer]:
+    optimizers = trainer.strategy.optimizers
+    return optimizers[0] if optimizers else None
