@@ -86,8 +86,8 @@ class StepEngine:
         nonfinite: the non-finite policy.
         device: this rank's device.
         recorder: this rank's step records (``record.py``).
-        outputs_group, outputs_rank: where predictions are assembled: this node's group and the
-            global rank of its first process.
+        outputs: where predictions are assembled: this node's group and the global rank of its
+            first process.
     """
 
     def __init__(
@@ -101,8 +101,7 @@ class StepEngine:
         nonfinite: NonfinitePolicy,
         device: torch.device,
         recorder: Optional[Recorder] = None,
-        outputs_group: Optional[dist.ProcessGroup] = None,
-        outputs_rank: int = 0,
+        outputs: tuple[Optional[dist.ProcessGroup], int] = (None, 0),
     ) -> None:
         self.worker = worker
         self.sync = GradSync()
@@ -121,7 +120,17 @@ class StepEngine:
         self._policy = nonfinite
         self._device = device
         self.recorder = recorder
-        self._outputs = (outputs_group, outputs_rank)
+        self._outputs = outputs
+
+    def pace(self, speeds: Mapping[str, float]) -> None:
+        """TESTING ONLY: emulate a worker of ``speeds[worker.speed_key]`` samples per second (none: real speed)."""
+        speed = speeds.get(self.worker.speed_key)
+        self.worker.pace = 1.0 / speed if speed else 0.0
+
+    @property
+    def replica_is_current(self) -> bool:
+        """False on a CPU worker that kept out of optimizer steps since it last computed."""
+        return not (self.stale and self.worker.keeps_out(detached=True))
 
     # ------------------------------------------------------------ training
 
@@ -267,24 +276,19 @@ class StepEngine:
     # ---------------------------------------------------------- evaluation
 
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> Any:
-        """``validation_step`` or ``test_step`` on this rank's share; logged values combined as in training."""
-        report, output = self._eval(method, batch, rest, shares, optimizer)
-        self._share(report)
-        return output
-
-    def predict_step(self, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> Any:
-        """``predict_step`` on this rank's share; the node's first rank assembles the batch's
-        predictions from every worker's, in batch order (``None`` elsewhere)."""
-        report, output = self._eval("predict_step", batch, rest, shares, optimizer)
+        """``validation_step``, ``test_step`` or ``predict_step`` on this rank's share. Logged values
+        are combined as in training; predictions are assembled on the node's first rank from every
+        worker's, in batch order (``None`` elsewhere)."""
+        if shares.pipeline_size < shares.batch_size:
+            self.refresh_replicas(optimizer)
+        report, output = self.worker.eval_step(method, batch, rest, shares)
+        if method != "predict_step":
+            self._share(report)
+            return output
         mine = (report.samples, move_data_to_device(output, "cpu")) if report.samples else None
         group, first = self._outputs
         parts = gather_object_to(mine, first, group)
         return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
-
-    def _eval(self, method: str, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> tuple[WorkerReport, Any]:
-        if shares.pipeline_size < shares.batch_size:
-            self.refresh_replicas(optimizer)
-        return self.worker.eval_step(method, batch, rest, shares)
 
 
 def _clipping(trainer: Any) -> Clipping:

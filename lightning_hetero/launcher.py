@@ -43,6 +43,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
     _disable_module_memory_sharing,
 )
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -60,10 +61,22 @@ from lightning_hetero.data import check_before_launch
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["HeteroLauncher", "GRACE_S"]
+__all__ = ["HeteroLauncher", "GRACE_S", "resolve_start_method"]
 
 GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
+
+
+def resolve_start_method(start_method: str) -> str:
+    """``"auto"`` is ``"fork"`` in a notebook and ``"popen"`` otherwise; any other must exist here."""
+    if start_method == "auto":
+        return "fork" if _IS_INTERACTIVE else "popen"
+    if start_method not in ["popen", *mp.get_all_start_methods()]:
+        raise ValueError(
+            f"`start_method={start_method!r}` is not available here; choose one of"
+            f" {['auto', 'popen', *mp.get_all_start_methods()]}."
+        )
+    return start_method
 
 
 class _Processes(_MultiProcessingLauncher):

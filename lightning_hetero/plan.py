@@ -20,9 +20,13 @@ from typing import Any, Literal, Optional, Union
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from torch import nn
+
 from lightning_hetero.files import atomic_write
+from lightning_hetero.module import check_model_contract, layer_names
 from lightning_hetero.offload import check_offload
-from lightning_hetero.pipeline import resolve_schedule, schedule_name
+from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
+from lightning_hetero.sync import make_buckets
 from lightning_hetero.topology import parse_device, resolve_stage_devices
 
 __all__ = ["HeteroPlan", "LAYOUT_ARGUMENTS", "layout_plan"]
@@ -113,6 +117,21 @@ class HeteroPlan:
             raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be positive.")
         if self.dataloader_workers is not None and self.dataloader_workers < 0:
             raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
+
+    def place_blocks(self, model: nn.Module) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+        """The model's blocks (``pipeline_layers()``, the contract checked) and each stage's
+        ``[start, stop)`` of them: where the plan cuts them, or balanced by parameter count. Raises
+        a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist."""
+        layers = check_model_contract(model)
+        bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, len(self.stages))
+        if not isinstance(self.offload, str) and self.offload:
+            count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20)))
+            if self.offload[-1] >= count:
+                raise ValueError(
+                    f"`offload={self.offload}` names bucket {self.offload[-1]}, but the model has {count} buckets"
+                    f" (0 to {count - 1}) at `bucket_size_mb={self.bucket_size_mb:g}`."
+                )
+        return layers, bounds
 
     def cut(self, layer_names: Sequence[str]) -> list[tuple[int, int]] | None:
         """Each stage's ``[start, stop)`` layers for a model whose layers have these module names;

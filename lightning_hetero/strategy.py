@@ -23,12 +23,10 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized, _sync_ddp
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -52,35 +50,21 @@ from lightning_hetero.data import same_batches_on_every_rank, with_workers
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.files import AtomicCheckpointIO
 from lightning_hetero.finite import NonfinitePolicy, check_policy
-from lightning_hetero.launcher import HeteroLauncher
-from lightning_hetero.module import check_model_contract, check_optimizers, layer_names
+from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
+from lightning_hetero.module import check_optimizers
 from lightning_hetero.offload import BucketStep
-from lightning_hetero.pipeline import ScheduleArg, partition_layers, resolve_schedule
+from lightning_hetero.pipeline import ScheduleArg, resolve_schedule
 from lightning_hetero.plan import LAYOUT_ARGUMENTS, HeteroPlan, layout_plan
 from lightning_hetero.precision import HeteroPrecision
 from lightning_hetero.record import Recorder, StepRecord
 from lightning_hetero.results import ReportExchange, relog, sync_metrics_over
 from lightning_hetero.shares import Shares, batch_size_of, split_batch
-from lightning_hetero.state import (
-    gather_module_state,
-    gather_optimizer_state,
-    load_with_offloaded_state,
-    move_materialized,
-    with_offloaded_state,
-)
-from lightning_hetero.sync import GlobalNorm, GradSync, make_buckets
-from lightning_hetero.topology import (
-    ProcessGroups,
-    Role,
-    StagesArg,
-    Topology,
-    connect,
-    gather_object_to,
-    resolve_stage_devices,
-    threads_for,
-    usable_cores,
-)
-from lightning_hetero.workers import ROLES, Placement
+from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized
+from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
+from lightning_hetero.sync import GlobalNorm, GradSync
+from lightning_hetero.topology import ProcessGroups, Role, StagesArg, Topology, connect, gather_object_to
+from lightning_hetero.topology import resolve_stage_devices, threads_for, usable_cores
+from lightning_hetero.workers import ROLES, Placement, check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
 
@@ -116,18 +100,14 @@ class HeteroStrategy(ParallelStrategy):
             layers of one stage).
         plan: a ``HeteroPlan`` (or the path of its YAML file) to replay: it sets every layout
             argument above and where the layers are cut, so leave those at their defaults.
-        nonfinite: what a NaN or Inf in any worker's loss or gradients does to its training step,
-            decided alike on every rank (``finite.py``): ``"error"`` ends the run with an error that
-            names the step and the workers; ``"skip"`` skips that optimizer step on every rank
-            (gradients dropped, the optimizer's state untouched), counts it in ``skipped_steps`` and
-            logs ``hetero/skipped_steps``. In fine mode, ``"skip"`` steps the buckets after the
-            backward instead of during it (every rank must know the verdict before any steps).
-        emulated_speed: TESTING ONLY, off by default. Emulates workers of known speeds on a machine
-            that has no such devices (tests and benchmarks of the rebalancer): ``{"cpu": r,
-            "pipeline": q}`` makes each CPU worker's share of a training batch take at least
-            ``samples / r`` seconds and the pipeline's at least ``samples / q`` (a worker that
-            finishes its real work sooner sleeps out the rest). Either key may be left out. Never
-            use it to train a model you care about: it only makes the run slower.
+        nonfinite: what a NaN or Inf in any worker's loss or gradients does, decided alike on every
+            rank (``finite.py``): ``"error"`` ends the run naming the step and the workers; ``"skip"``
+            skips that optimizer step on every rank, counts it in ``skipped_steps`` and logs
+            ``hetero/skipped_steps`` (fine mode then steps the buckets after the backward).
+        emulated_speed: TESTING ONLY, off by default: ``{"cpu": r, "pipeline": q}`` makes each CPU
+            worker's share of a training batch take at least ``samples / r`` seconds and the
+            pipeline's at least ``samples / q``, to emulate devices of known speeds (tests and
+            benchmarks of the rebalancer). It only ever makes a run slower.
     """
 
     strategy_name = "hetero"
@@ -162,17 +142,10 @@ class HeteroStrategy(ParallelStrategy):
         arguments = {name: value for name, value in locals().items() if name in LAYOUT_ARGUMENTS}
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
         self._stage_devices = resolve_stage_devices(self._plan.stages)
-        if start_method == "auto":
-            start_method = "fork" if _IS_INTERACTIVE else "popen"
-        if start_method not in ["popen", *mp.get_all_start_methods()]:
-            raise ValueError(
-                f"`start_method={start_method!r}` is not available here; choose one of"
-                f" {['auto', 'popen', *mp.get_all_start_methods()]}."
-            )
-        self._start_method = start_method
+        self._start_method = resolve_start_method(start_method)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._nonfinite = check_policy(nonfinite)
-        self._emulated_speed = _check_emulated_speed(emulated_speed)
+        self._emulated_speed = check_emulated_speed(emulated_speed)
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
         self._engine: Optional[StepEngine] = None
@@ -181,14 +154,13 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def plan(self) -> HeteroPlan:
-        """The run's layout: the plan given, the plan of the layout arguments, or the workload
-        analyzer's once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
+        """The run's layout: the plan given, the plan of the layout arguments, or the workload analyzer's
+        once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
         return self._plan
 
     def apply_plan(self, plan: HeteroPlan) -> None:
-        """Take a plan's layout for this run, before the model is cut (the workload analyzer does
-        this in its ``setup`` hook). Its stages, CPU workers and mode must be the run's: the
-        processes exist already."""
+        """Take a plan's layout before the model is cut (the workload analyzer does, in its ``setup``
+        hook). Its stages, CPU workers and mode must be the run's: the processes exist already."""
         running = (self._plan.stages, self._plan.cpu_workers, self._plan.mode)
         if ([str(d) for d in resolve_stage_devices(plan.stages)], plan.cpu_workers, plan.mode) != running:
             raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
@@ -208,7 +180,6 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def micro_batches(self) -> int:
-        """The micro-batches the pipeline's share is cut into."""
         return self._plan.micro_batches
 
     @property
@@ -217,16 +188,15 @@ class HeteroStrategy(ParallelStrategy):
         return self._plan.cpu_fraction
 
     def set_cpu_fraction(self, fraction: float) -> None:
-        """Give the CPU workers ``fraction`` of the batches from the next one on. Every rank must
-        set the same value at the same step (decide on one rank and broadcast)."""
+        """Give the CPU workers ``fraction`` of the batches from the next one on. Every rank must set the
+        same value at the same step (decide on one rank and broadcast)."""
         if not 0.0 <= fraction <= 1.0 or (fraction > 0 and self._plan.cpu_workers == 0):
             raise ValueError(f"A CPU fraction of {fraction} is not possible with {self._plan.cpu_workers} CPU worker(s).")
         self._plan = replace(self._plan, cpu_fraction=float(fraction))
         self._set_threads()
 
     def _set_threads(self) -> None:
-        """This process's torch threads for the current CPU fraction (``threads_for``): an emulated
-        stage takes the cores of CPU workers that have no share."""
+        # An emulated stage takes the cores of CPU workers that have no share (`threads_for`).
         if self._groups is None:  # not in a worker process (yet)
             return
         threads = threads_for(self.role, self.topology, usable_cores(), self._plan.cpu_threads, self.cpu_fraction > 0)
@@ -244,36 +214,14 @@ class HeteroStrategy(ParallelStrategy):
         return dict(self._emulated_speed)
 
     def set_emulated_speed(self, speed: Optional[Mapping[str, float]]) -> None:
-        """TESTING ONLY: emulate other worker speeds from the next batch on (``None``: real speed).
-        Every rank must set the same value at the same step."""
-        self._emulated_speed = _check_emulated_speed(speed)
+        """TESTING ONLY: emulate other worker speeds from the next batch on (``None``: real speed)."""
+        self._emulated_speed = check_emulated_speed(speed)
         if self._engine is not None:
-            speed = self._emulated_speed.get(self._engine.worker.speed_key)
-            self._engine.worker.pace = 1.0 / speed if speed else 0.0
+            self._engine.pace(self._emulated_speed)
 
     def check_model(self, model: LightningModule) -> list[nn.Module]:
-        """Check the model contract and that the layers fill the stages; raise before any process
-        starts. Returns the model's blocks."""
-        layers = check_model_contract(model)
-        bounds = self._cut(model, layers)
-        offload = self._plan.offload
-        if not isinstance(offload, str) and offload:
-            count = len(make_buckets(layers, bounds, self._bucket_bytes))
-            if offload[-1] >= count:
-                raise ValueError(
-                    f"`offload={offload}` names bucket {offload[-1]}, but the model has {count} buckets"
-                    f" (0 to {count - 1}) at `bucket_size_mb={self._plan.bucket_size_mb:g}`."
-                )
-        return layers
-
-    def _cut(self, model: nn.Module, layers: list[nn.Module]) -> list[tuple[int, int]]:
-        """Each stage's layers: where the plan cuts them, or balanced by parameter count."""
-        planned = self._plan.cut(layer_names(model, layers))
-        return planned if planned is not None else partition_layers(layers, len(self._stage_devices))
-
-    @property
-    def _bucket_bytes(self) -> int:
-        return int(self._plan.bucket_size_mb * 2**20)
+        """The model's blocks, after checking the contract and that they fill the stages."""
+        return self._plan.place_blocks(model)[0]
 
     # ------------------------------------------------------- ranks and devices
 
@@ -287,7 +235,6 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def device_names(self) -> list[str]:
-        """Each global rank's name in logs (``Topology.device_names``)."""
         return self.topology.device_names()
 
     @property
@@ -296,9 +243,8 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Lightning then injects a DistributedSampler built from `distributed_sampler_kwargs`, which
-        # splits the data between nodes; within a node every rank must see the same batches, so a
-        # single node keeps the user's loader (see `process_dataloader`).
+        # Lightning then splits the data between nodes (`distributed_sampler_kwargs`); within a node
+        # every rank sees the same batches (`process_dataloader`).
         return self._num_nodes > 1
 
     @property
@@ -335,11 +281,10 @@ class HeteroStrategy(ParallelStrategy):
 
     @accelerator.setter
     def accelerator(self, accelerator: Optional["pl.accelerators.Accelerator"]) -> None:
-        # Lightning hands a string strategy the accelerator it picked for the machine (CPU or CUDA);
-        # a hetero run's processes sit on different devices, which only HeteroAccelerator serves.
-        if accelerator is not None and not isinstance(accelerator, HeteroAccelerator):
-            accelerator = HeteroAccelerator()
-        self._accelerator = accelerator
+        # Lightning hands a string strategy the accelerator it picked for the machine; a hetero run's
+        # processes sit on different devices, which only HeteroAccelerator serves.
+        keep = accelerator is None or isinstance(accelerator, HeteroAccelerator)
+        self._accelerator = accelerator if keep else HeteroAccelerator()
 
     @property
     @override
@@ -350,27 +295,24 @@ class HeteroStrategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        # Whatever Lightning chose, as the hetero plugin of its kind, which refuses float16 mixed precision.
+        # Whatever Lightning chose, as the hetero plugin of its kind (which refuses float16 mixed precision).
         self._precision_plugin = HeteroPrecision.of(plugin) if plugin is not None else None
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # All ranks of a node see the same batch and take their share of it; nodes split the data.
         return {"num_replicas": self._num_nodes, "rank": self.node_rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = same_batches_on_every_rank(dataloader, self.lightning_module.trainer.state.stage)
-        if self._plan.dataloader_workers is not None:
-            dataloader = with_workers(dataloader, self._plan.dataloader_workers)
-        return dataloader
+        workers = self._plan.dataloader_workers
+        return with_workers(dataloader, workers) if workers is not None else dataloader
 
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # Weights load into the whole model before `setup` cuts it into stages.
-        return False
+        return False  # weights load into the whole model before `setup` cuts it into stages
 
     @override
     def _configure_launcher(self) -> None:
@@ -391,25 +333,20 @@ class HeteroStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        expected = self.topology.world_size
-        if self.world_size != expected:
+        if self.world_size != self.topology.world_size:
             raise RuntimeError(
-                f"The hetero layout {self.topology.describe()} needs {expected} processes, but the launcher started"
-                f" {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
+                f"The hetero layout {self.topology.describe()} needs {self.topology.world_size} processes, but the"
+                f" launcher started {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
                 f" --nproc-per-node={self.num_processes}`)."
             )
         name = self.rank_name(self.local_rank)
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name)
-        log.debug("hetero: %s joined its process groups", self.rank_name(self.local_rank))
+        log.debug("hetero: %s joined its process groups", name)
         self._set_threads()
         self.precision_plugin.use_device(self.root_device)
         if self._emulated_speed:
-            rank_zero_warn(
-                f"`emulated_speed={self._emulated_speed}` slows this run down on purpose to emulate other devices:"
-                " it is for tests and benchmarks only."
-            )
-        # Logged values are combined over the workers before Lightning sees them (`results.py`),
-        # so its advice to pass `sync_dist=True` does not apply.
+            rank_zero_warn(f"`emulated_speed={self._emulated_speed}` slows this run down on purpose: tests only.")
+        # Logged values are combined over the workers before Lightning sees them (`results.py`).
         warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
 
     @override
@@ -417,52 +354,46 @@ class HeteroStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None and self._groups is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if self._engine is None:
-            self._engine = self._place(module)
+        self._engine = self._engine or self._place(module)
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
         sync_metrics_over(module, self._groups.control)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
+        if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(module, self.optimizers, self.mode)
-            self._engine.sync = self._build_sync()
-            self.precision_plugin.clipping = self._engine.sync
-        self.setup_precision_plugin()
-        if fitting:
+            self.precision_plugin.clipping = self._engine.sync = self._build_sync()
             _optimizers_to_device(self.optimizers, self.root_device)
-        # Lightning's DeviceStatsMonitor logs from rank 0: every rank sends its stats along with
-        # each step's results, so the accelerator answers there without a collective of its own.
+        self.setup_precision_plugin()
+        # DeviceStatsMonitor logs from rank 0: every rank's stats travel with the step's results.
         self._engine.report_device_stats = any(isinstance(cb, DeviceStatsMonitor) for cb in trainer.callbacks)
 
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""
         assert self._groups is not None
-        layers = check_model_contract(module)
+        layers, bounds = self._plan.place_blocks(module)
         if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
             # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
-            _sync_module_states(module, self._groups.control, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+            _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         self.model = self.precision_plugin.convert_module(module)
-        topology, role, device = self.topology, self.role, self.root_device
-        placement = Placement(layers, self._cut(module, layers), self._groups.sync, topology.stage_ranks(self.node_rank))
+        topology, role, device, groups = self.topology, self.role, self.root_device, self._groups
+        placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank))
         schedule = resolve_schedule(self._plan.schedule, topology.num_stages, self._plan.micro_batches)
-        worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=self._groups.stage, schedule=schedule)
-        speed = self._emulated_speed.get(worker.speed_key)
-        worker.pace = 1.0 / speed if speed else 0.0
-        log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), placement.bounds)
-        return StepEngine(
+        worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
+        log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), bounds)
+        engine = StepEngine(
             worker=worker,
-            exchange=ReportExchange(self._groups.control),
+            exchange=ReportExchange(groups.control),
             log=partial(relog, module, device=device),
             names=self.device_names,
             cpu_workers=topology.cpu_workers,
             nonfinite=self._nonfinite,
             device=device,
             recorder=Recorder(self.global_rank, str(role), device),
-            outputs_group=self._groups.node,
-            outputs_rank=topology.node_ranks(self.node_rank)[0],
+            outputs=(groups.node, topology.node_ranks(self.node_rank)[0]),
         )
+        engine.pace(self._emulated_speed)
+        return engine
 
     def _build_sync(self) -> GradSync:
         assert self._engine is not None and self._groups is not None
@@ -472,7 +403,7 @@ class HeteroStrategy(ParallelStrategy):
             norm=GlobalNorm(worker.norm_slot, topology.num_stages, topology.num_nodes, groups.control),
             replica_group=groups.replica,
             optimizer=self.optimizers[0],
-            bucket_bytes=self._bucket_bytes,
+            bucket_bytes=int(self._plan.bucket_size_mb * 2**20),
             offload=self._plan.offload,
             control=groups.control,
             skip_nonfinite=self._nonfinite == "skip",
@@ -490,8 +421,7 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # `setup` places each part of the model on its rank's device (see `_place`).
-        pass
+        pass  # `setup` places each part of the model on its rank's device
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -502,40 +432,33 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._engine is not None:
-            self._engine.on_batch_start()
+        self._running.on_batch_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._engine is not None
-        batch, batch_idx = _batch_and_index(args, kwargs)
-        shares = self.shares(batch_size_of(batch))
+        values = list(args) + list(kwargs.values())  # (batch, batch_idx): the model contract requires both
+        shares, trainer = self.shares(batch_size_of(values[0])), self.lightning_module.trainer
         with self.precision_plugin.train_step_context():
-            return self._engine.training_step(self.lightning_module.trainer, batch, batch_idx, shares, self.cpu_fraction)
+            return self._running.training_step(trainer, values[0], values[1], shares, self.cpu_fraction)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # The forward and backward ran in `training_step`; the engine puts the gradients back and sums them.
-        assert self._engine is not None
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._engine.backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self._engine.finish_backward()
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._running.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self._running.finish_backward()
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        assert self._engine is not None
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
-        return self._engine.optimizer_step(closure, step, optimizer)
+        return self._running.optimizer_step(closure, step, optimizer)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """While accumulating, each worker keeps summing locally; the sync runs on the last micro-step."""
-        assert self._engine is not None
-        with self._engine.accumulating():
+        with self._running.accumulating():  # the window's last batch syncs
             yield
 
     @override
@@ -554,25 +477,26 @@ class HeteroStrategy(ParallelStrategy):
             return self._eval_step("predict_step", args, kwargs)
 
     def _eval_step(self, method: str, args: tuple, kwargs: dict) -> Any:
-        assert self._engine is not None
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
-        shares, optimizer = self.shares(batch_size_of(batch)), self._optimizer()
-        if method == "predict_step":
-            return self._engine.predict_step(batch, rest, shares, optimizer)
-        return self._engine.eval_step(method, batch, rest, shares, optimizer)
+        return self._running.eval_step(method, batch, rest, self.shares(batch_size_of(batch)), self._optimizer())
+
+    @property
+    def _running(self) -> StepEngine:
+        assert self._engine is not None, "the strategy has not been set up"
+        return self._engine
 
     def _optimizer(self) -> Optional[Optimizer]:
         return self.optimizers[0] if self.optimizers else None
+
+    def _refresh_replicas(self) -> None:
+        if self._engine is not None:
+            self._engine.refresh_replicas(self._optimizer())
 
     @property
     def replica_is_current(self) -> bool:
         """False on a CPU worker that kept out of recent optimizer steps (it had no share of their
         batches): its replica is refreshed from the stages before it is used again."""
-        return not (self.role.is_cpu_worker and self._engine is not None and self._engine.stale)
-
-    def _refresh_replicas(self) -> None:
-        if self._engine is not None:
-            self._engine.refresh_replicas(self._optimizer())
+        return self._engine is None or self._engine.replica_is_current
 
     @property
     def skipped_steps(self) -> int:
@@ -587,12 +511,10 @@ class HeteroStrategy(ParallelStrategy):
     @property
     def step_records(self) -> list[StepRecord]:
         """This rank's recent training steps: what it computed, communicated, stepped and waited for."""
-        recorder = self._engine.recorder if self._engine is not None else None
-        return list(recorder.records) if recorder is not None else []
+        return list(self._engine.recorder.records) if self._engine is not None and self._engine.recorder else []
 
     def gather_step_records(self, count: int = 1, dst: Optional[int] = None) -> list[list[StepRecord]]:
-        """Every rank's latest ``count`` step records, indexed by global rank (a collective: call it
-        on all ranks). With ``dst``, only that global rank receives them; the others get ``[]``."""
+        """Every rank's latest ``count`` step records, by global rank (see ``gather``)."""
         return self.gather(self.step_records[-count:] if count > 0 else [], dst)
 
     # --------------------------------------------------------------- collectives
@@ -600,11 +522,10 @@ class HeteroStrategy(ParallelStrategy):
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
         """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
         collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
-        assert self._groups is not None
         if dst is not None:
-            return gather_object_to(obj, dst, self._groups.control) or []
-        objects: list[Any] = [None] * dist.get_world_size(self._groups.control)
-        dist.all_gather_object(objects, obj, group=self._groups.control)
+            return gather_object_to(obj, dst, self._control) or []
+        objects: list[Any] = [None] * dist.get_world_size(self._control)
+        dist.all_gather_object(objects, obj, group=self._control)
         return objects
 
     @property
@@ -643,7 +564,7 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         # Lightning's default, except that a process killed while saving leaves the previous
-        # checkpoint intact (see `files.py`); a CheckpointIO passed in is used as it is.
+        # checkpoint intact (`files.py`); a CheckpointIO passed in is used as it is.
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
         elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
@@ -664,14 +585,12 @@ class HeteroStrategy(ParallelStrategy):
         self._refresh_replicas()  # every rank calls this when a checkpoint is written
         if self._rank_zero_has_everything:
             return super().lightning_module_state_dict()
-        return gather_module_state(self.lightning_module, self._groups.control)  # type: ignore[union-attr]
+        return gather_module_state(self.lightning_module, self._control)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = with_offloaded_state(getattr(optimizer, "_optimizer", optimizer), self.bucket_steps)
-        if self._rank_zero_has_everything:
-            return state
-        return gather_optimizer_state(state, self._groups.control)  # type: ignore[union-attr]
+        return state if self._rank_zero_has_everything else gather_optimizer_state(state, self._control)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -687,14 +606,13 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        # Rank 0 must hold the whole trained model: bring a stale CPU worker up to date; without a
-        # CPU worker, rank 0 is stage 0: gather the whole model there. (The launcher hands rank
-        # 0's weights back to the main process.)
+        # Rank 0 must hold the whole trained model (the launcher hands its weights back): bring a
+        # stale CPU worker up to date; without a CPU worker, rank 0 is stage 0: gather the model there.
         self._refresh_replicas()
         if self._rank_zero_has_everything:
             return
         module = self.lightning_module
-        full = gather_module_state(module, self._groups.control)  # type: ignore[union-attr]
+        full = gather_module_state(module, self._control)
         if self.global_rank == 0:
             module.load_state_dict(full, assign=True)
             move_materialized(module, self.root_device)
@@ -703,8 +621,7 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # In the main process of a fork/spawn run (no process group), the error is a worker's,
-        # already described by that worker (see `launcher.py`).
+        # In the main process of a fork/spawn run (no process group) the error is a worker's, described there.
         if _distributed_is_initialized():
             exception.add_note(self.describe_rank())
 
@@ -723,12 +640,11 @@ class HeteroStrategy(ParallelStrategy):
             self._engine.sync.close()
             self._engine.sync = GradSync()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
-        module = self.lightning_module
-        if module is not None:
-            move_materialized(module, torch.device("cpu"))
-            _update_properties(module, device=torch.device("cpu"))
-        self.precision_plugin.teardown()
+        if self.lightning_module is not None:
+            move_materialized(self.lightning_module, torch.device("cpu"))
+            _update_properties(self.lightning_module, device=torch.device("cpu"))
         assert self.accelerator is not None and self.cluster_environment is not None
+        self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
         self.cluster_environment.teardown()
@@ -737,16 +653,10 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="CPU workers and pipelined stages train every batch together (coarse-grained)",
-            mode="coarse",
+            cls.strategy_name, cls, description="CPU workers and pipelined stages train every batch together", mode="coarse"
         )
         strategy_registry.register(
-            f"{cls.strategy_name}_fine",
-            cls,
-            description="hetero, with gradient sync and optimizer steps overlapped with the backward (fine-grained)",
-            mode="fine",
+            f"{cls.strategy_name}_fine", cls, description="hetero, syncing and stepping during the backward", mode="fine"
         )
 
 
@@ -755,25 +665,6 @@ _LAYOUT_DEFAULTS = {
     for name, parameter in inspect.signature(HeteroStrategy.__init__).parameters.items()
     if name in LAYOUT_ARGUMENTS
 }
-
-
-def _check_emulated_speed(speed: Optional[Mapping[str, float]]) -> dict[str, float]:
-    if speed is None:
-        return {}
-    if not isinstance(speed, Mapping) or not set(speed) <= {"cpu", "pipeline"}:
-        raise ValueError(
-            f"`emulated_speed={speed!r}` must map 'cpu' and/or 'pipeline' to samples per second (testing only)."
-        )
-    for key, value in speed.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"`emulated_speed[{key!r}]={value!r}` must be a positive number of samples per second.")
-    return {key: float(value) for key, value in speed.items()}
-
-
-def _batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """``training_step``'s batch and batch index (the model contract requires both)."""
-    values = list(args) + list(kwargs.values())
-    return values[0], values[1]
 
 
 def hetero_strategy(trainer: "pl.Trainer") -> Optional[HeteroStrategy]:

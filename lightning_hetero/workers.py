@@ -54,7 +54,7 @@ from lightning_hetero.sync import (
     set_grads_aside,
 )
 
-__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "GradPolicy", "ROLES"]
+__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "GradPolicy", "ROLES", "check_emulated_speed"]
 
 GradPolicy = Literal["keep", "drop", "accumulate"]
 
@@ -449,3 +449,17 @@ def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> 
 
 ROLES: dict[str, type[CpuWorker] | type[StageWorker]] = {"cpu": CpuWorker, "stage": StageWorker}
 """Each ``topology.Role.kind``'s class."""
+
+
+def check_emulated_speed(speed: Optional[Mapping[str, float]]) -> dict[str, float]:
+    """``HeteroStrategy(emulated_speed=...)``, checked: samples per second by ``Worker.speed_key``."""
+    if speed is None:
+        return {}
+    if not isinstance(speed, Mapping) or not set(speed) <= {role.speed_key for role in ROLES.values()}:
+        raise ValueError(
+            f"`emulated_speed={speed!r}` must map 'cpu' and/or 'pipeline' to samples per second (testing only)."
+        )
+    for key, value in speed.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"`emulated_speed[{key!r}]={value!r}` must be a positive number of samples per second.")
+    return {key: float(value) for key, value in speed.items()}
