@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -231,6 +231,7 @@ class StepEngine:
         """Bring stale CPU-worker replicas up to date from the stages (a collective on every rank; a
         no-op unless the CPU workers kept out of optimizer steps since they last computed)."""
         if self.stale:
+            log.debug("hetero: bringing the CPU workers' replicas up to date from the stages")
             self.worker.refresh(optimizer, self.sync.bucket_steps)
             self.stale = False
 

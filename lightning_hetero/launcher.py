@@ -24,6 +24,7 @@ first, its role, and why. A process that hangs without failing is ended by the s
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
 __all__ = ["HeteroLauncher", "GRACE_S", "resolve_start_method"]
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
@@ -168,6 +171,7 @@ def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
             process.join()
             if process.exitcode == 0:
                 continue
+            log.debug("hetero: process %d exited with code %s; stopping the others", index, process.exitcode)
             killed = _stop([context.processes[i] for i in waiting.values()])
             # torch's join raises for the first failed process among those it waits for: this one.
             context.sentinels = {sentinel: index}
@@ -347,6 +351,7 @@ class HeteroLauncher(_Launcher):
             self._strategy.check_model(model)
         if trainer is not None and model is not None:
             check_before_launch(trainer, model, args)
+        log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
         except ProcessExitedException as error:  # a process ended without a Python error to tell why

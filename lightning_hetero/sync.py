@@ -18,6 +18,7 @@ bucket while the backward is still running, and has clipped and stepped everythi
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -53,6 +54,8 @@ __all__ = [
     "add_grads",
     "global_grad_norm",
 ]
+
+log = logging.getLogger(__name__)
 
 Clipping = tuple[Optional[float], Optional[float]]
 """(clip by value, clip by norm), as the Trainer is set."""
@@ -308,6 +311,7 @@ class FineSync(GradSync):
     def _refresh(self) -> None:
         if param_index(self._optimizer) == self._layout:
             return
+        log.debug("hetero: the optimizer's parameters changed; building the bucket steps again")
         old = self._overlap
         states = {p: s for step in old.steps if isinstance(step, OffloadStep) for p, s in step.state().items()}
         old.close()

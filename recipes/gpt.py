@@ -11,7 +11,6 @@ trained on it (see ``recipes/text.py``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from lightning.pytorch.callbacks import DeviceStatsMonitor
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import WandbLogger
 
 from lightning_hetero.callbacks import AdaptiveRebalancer, UtilizationMonitor
 from lightning_hetero.callbacks.monitor import _flatten, chrome_trace, device_fractions, utilization_image

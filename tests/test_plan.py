@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
-from tests.conftest import hetero, trainer
+from tests.conftest import trainer
 from tests.models import Net, regression_data
 
 NAMES = [f"layers.{i}" for i in range(6)]

@@ -11,6 +11,7 @@ training runs, the measured step time is logged beside the prediction.
 from __future__ import annotations
 
 import inspect
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
 __all__ = ["WorkloadAnalyzer"]
+
+log = logging.getLogger(__name__)
 
 def fixed_cost(step: Sequence[tuple[float, float, float]]) -> float:
     """One step's fixed cost from every rank's ``(data, wait, optimizer)`` seconds of it (see
@@ -139,6 +142,7 @@ class WorkloadAnalyzer(L.Callback):
                 pl_module.configure_model()
         layers = strategy.check_model(pl_module)
         strategy.precision_plugin.convert_module(pl_module)  # profile in the run's precision
+        log.debug("WorkloadAnalyzer: profiling %d blocks on %s", len(layers), strategy.rank_name(strategy.local_rank))
         strategy.apply_plan(self.plan_layout(trainer, strategy, layers))
 
     def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
