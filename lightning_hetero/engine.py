@@ -79,7 +79,8 @@ class StepEngine:
 
     Args:
         worker: this rank's role (``workers.py``).
-        exchange: every rank's report from this rank's (a collective; ``ReportExchange``).
+        exchange: every rank's report from this rank's (a collective; ``ReportExchange``; one way
+            where the CPU workers have no share of the batch).
         log: logs combined values through Lightning on this rank (``results.relog``).
         names: each global rank's device name, for messages.
         cpu_workers: CPU workers per node.
@@ -94,7 +95,7 @@ class StepEngine:
         self,
         *,
         worker: Worker,
-        exchange: Callable[[WorkerReport], list[WorkerReport]],
+        exchange: Callable[[WorkerReport, bool], list[WorkerReport]],
         log: Callable[[list[LoggedValue]], None],
         names: list[str],
         cpu_workers: int,
@@ -180,7 +181,7 @@ class StepEngine:
             if not grads_finite and "gradients" not in report.nonfinite:
                 report.nonfinite += ("gradients",)
         with span(state.clock, "wait"):
-            reports = self._share(report)
+            reports = self._share(report, one_way=not cpu_share)
         self._judge(reports, trainer, batch_idx, skipped)
         if state.syncs and state.detached and not state.skip:
             self.stale = True  # the stages step without the CPU workers
@@ -235,11 +236,12 @@ class StepEngine:
             self.worker.refresh(optimizer, self.sync.bucket_steps)
             self.stale = False
 
-    def _share(self, report: WorkerReport) -> list[WorkerReport]:
-        """Every rank's report, and the combined logged values logged here, so every rank logs the same."""
+    def _share(self, report: WorkerReport, one_way: bool) -> list[WorkerReport]:
+        """Every rank's report, and the combined logged values logged here, so every rank logs the
+        same. ``one_way``: the CPU workers computed nothing, and the stages need not hear from them."""
         if self.report_device_stats:
             report.device = device_stats(self._device, meter="step")
-        reports = self._exchange(report)
+        reports = self._exchange(report, one_way)
         if self.report_device_stats:
             self.latest_device_stats = {name: r.device or {} for name, r in zip(self._names, reports)}
         self._log(combine_logs(reports))
@@ -280,11 +282,12 @@ class StepEngine:
         """``validation_step``, ``test_step`` or ``predict_step`` on this rank's share. Logged values
         are combined as in training; predictions are assembled on the node's first rank from every
         worker's, in batch order (``None`` elsewhere)."""
-        if shares.pipeline_size < shares.batch_size:
+        cpu_share = shares.pipeline_size < shares.batch_size
+        if cpu_share:
             self.refresh_replicas(optimizer)
         report, output = self.worker.eval_step(method, batch, rest, shares)
         if method != "predict_step":
-            self._share(report)
+            self._share(report, one_way=not cpu_share)
             return output
         mine = (report.samples, move_data_to_device(output, "cpu")) if report.samples else None
         group, first = self._outputs

@@ -146,17 +146,70 @@ class ReportExchange:
     fixed-size buffer headed by its length, and one all-gather carries them all. Every rank sees
     every length, so when a report outgrows the buffer all ranks agree to gather again at the
     largest size, and keep that size from then on.
+
+    [Note: one-way exchange]
+    In a batch of which the CPU workers compute nothing (the CPU fraction is 0, or the batch is
+    too small to share), their reports are empty, and waiting for them would only make the stages
+    wait for processes with nothing to tell: on a machine where they share cores, for a process's
+    turn to run Lightning's loop. So, on one node (``cpu_workers`` CPU workers, global ranks
+    ``0 .. cpu_workers - 1``, then the stages), ``one_way=True`` has the stages share their reports
+    among themselves (``stages``, a gloo group of them; none where there is one stage) and the first
+    stage send them to every CPU worker without waiting (``isend``; a sent buffer is released at the
+    next call, when its CPU worker has received it). Every rank ends with the same list, the CPU
+    workers' reports empty; every rank decides ``one_way`` alike, from the batch's shares.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, capacity: int = 4096) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        capacity: int = 4096,
+        *,
+        cpu_workers: int = 0,
+        stages: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.group = group
+        self._all = _Gather(group, capacity)
+        self._stages = _Gather(stages, capacity) if stages is not None else None
+        self._cpu_workers = cpu_workers
+        self._rank = dist.get_rank()
+        self._sends: list[Any] = []
+
+    @property
+    def capacity(self) -> int:
+        return self._all.capacity
+
+    def __call__(self, report: WorkerReport, one_way: bool = False) -> list[WorkerReport]:
+        self._wait_for_sends()
+        if not (one_way and self._cpu_workers):
+            return self._all(report)
+        first_stage = self._cpu_workers
+        if self._rank < first_stage:
+            stage_reports = _receive(first_stage, self.group)
+        else:
+            stage_reports = self._stages(report) if self._stages is not None else [report]
+            if self._rank == first_stage:
+                self._sends = _send(stage_reports, range(first_stage), self.group)
+        cpu_reports = [report if rank == self._rank else WorkerReport() for rank in range(first_stage)]
+        return cpu_reports + stage_reports
+
+    def _wait_for_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+
+class _Gather:
+    """Every member's object, pickled into one all-gather of fixed-size buffers (``ReportExchange``)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, capacity: int) -> None:
         self.group = group
         self.capacity = capacity
         self._world = dist.get_world_size(group)
 
-    def __call__(self, report: WorkerReport) -> list[WorkerReport]:
-        if self._world == 1:  # a run of one process has nobody to tell
-            return [report]
-        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+    def __call__(self, obj: Any) -> list[Any]:
+        if self._world == 1:  # a group of one has nobody to tell
+            return [obj]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         gathered = self._gather(data, self.capacity)
         lengths = gathered[:, :_HEADER].contiguous().view(torch.int64).flatten().tolist()
         if max(lengths) > self.capacity:
@@ -172,6 +225,29 @@ class ReportExchange:
         out = torch.empty(self._world, _HEADER + capacity, dtype=torch.uint8)
         dist.all_gather(list(out.unbind()), buffer, group=self.group)
         return out
+
+
+def _send(obj: Any, ranks: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Send ``obj`` pickled to every global rank of ``ranks`` without waiting: its length, then its
+    bytes. Returns the sends with their buffers, to be waited for before the buffers go."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    sends = []
+    for rank in ranks:
+        sends.append((dist.isend(length, dst=rank, group=group, tag=_LENGTH_TAG), length))
+        sends.append((dist.isend(payload, dst=rank, group=group, tag=_PAYLOAD_TAG), payload))
+    return sends
+
+
+def _receive(src: int, group: dist.ProcessGroup | None) -> Any:
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, src=src, group=group, tag=_LENGTH_TAG)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group, tag=_PAYLOAD_TAG)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+_LENGTH_TAG, _PAYLOAD_TAG = 7301, 7302
 
 
 _HEADER = 8  # bytes: each report's pickled length, as an int64

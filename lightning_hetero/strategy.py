@@ -383,7 +383,11 @@ class HeteroStrategy(ParallelStrategy):
         log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), bounds)
         engine = StepEngine(
             worker=worker,
-            exchange=ReportExchange(groups.control),
+            exchange=ReportExchange(
+                groups.control,
+                cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0,
+                stages=groups.stage_reports,
+            ),
             log=partial(relog, module, device=device),
             names=self.device_names,
             cpu_workers=topology.cpu_workers,

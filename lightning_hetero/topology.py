@@ -237,6 +237,8 @@ class ProcessGroups:
     pipeline's sends and receives). ``sync[s]`` joins stage ``s`` with the CPU workers of its node,
     for gradient sync; it is ``None`` where this rank is not a member. ``replica`` joins this rank
     with the same local rank on every other node (gloo: gradients travel as CPU buffers).
+    ``stage_reports`` joins the stages of a single node with CPU workers and several stages, on
+    gloo, for the steps' results where the CPU workers have no share (``results.ReportExchange``).
     """
 
     control: dist.ProcessGroup
@@ -244,6 +246,7 @@ class ProcessGroups:
     stage: dist.ProcessGroup | None
     sync: list[dist.ProcessGroup | None]
     replica: dist.ProcessGroup | None
+    stage_reports: dist.ProcessGroup | None = None
 
 
 def world_backend(topology: Topology) -> str:
@@ -282,7 +285,13 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
             group = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if global_rank in ranks:
                 replica = group
-    return ProcessGroups(control=control, node=node_group, stage=stage_group, sync=sync, replica=replica)
+    stage_reports = None
+    if topology.num_nodes == 1 and topology.cpu_workers and topology.num_stages > 1:
+        group = dist.new_group(topology.stage_ranks(0), timeout=timeout, backend="gloo")
+        stage_reports = group if global_rank in topology.stage_ranks(0) else None
+    return ProcessGroups(
+        control=control, node=node_group, stage=stage_group, sync=sync, replica=replica, stage_reports=stage_reports
+    )
 
 
 def gather_object_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:

@@ -98,8 +98,8 @@ def peer(samples: int = 1, loss: float = 5.0, nonfinite: tuple = ()) -> WorkerRe
 def make(calls: list, worker: FakeWorker, sync: Optional[GradSync] = None, others: Optional[list] = None, **kwargs: Any) -> tuple[StepEngine, list]:
     logged: list = []
 
-    def exchange(report: WorkerReport) -> list[WorkerReport]:
-        calls.append("exchange")
+    def exchange(report: WorkerReport, one_way: bool) -> list[WorkerReport]:
+        calls.append("exchange, one way" if one_way else "exchange")
         return [report, *(others if others is not None else [peer()])]
 
     kwargs.setdefault("nonfinite", "error")
@@ -200,6 +200,7 @@ def test_cpu_workers_without_a_share_keep_out_and_are_refreshed_before_they_comp
     engine, _ = make(calls, FakeWorker(calls), sync)
     one_step(engine, trainer(), 0, PIPELINE_ONLY, fraction=0.0)
     assert sync.begun == [(True, False)] and "sum" not in calls  # detached, and this CPU worker sums nothing
+    assert "exchange, one way" in calls  # and nobody waits to hear from it
     assert engine.stale and not engine.replica_is_current
     calls.clear()
     one_step(engine, trainer(), 1, HALF)
@@ -242,7 +243,7 @@ def test_fine_modes_verdict_travels_with_the_report() -> None:
     reports: list = []
     engine, _ = make(calls, FakeWorker(calls), FakeSync(calls, overlaps=True, verdict=(False, True)), nonfinite="skip")
     exchange = engine._exchange
-    engine._exchange = lambda r: reports.append(r) or exchange(r)  # type: ignore[method-assign]
+    engine._exchange = lambda r, one_way: reports.append(r) or exchange(r, one_way)  # type: ignore[method-assign]
     with pytest.warns(UserWarning, match="NaN or Inf in gradients on cpu0"):
         one_step(engine, trainer(), 0, HALF)
     assert reports[0].nonfinite == ("gradients",) and engine.state.skip

@@ -73,3 +73,31 @@ def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path) -> None:
     capacities = [[capacity for _, capacity in seen] for seen in ranks]
     big = len(pickle.dumps(_sent(1, 1), protocol=pickle.HIGHEST_PROTOCOL))
     assert all(c == [1024, big, big] for c in capacities)  # grown together, and kept
+
+
+def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
+    store = dist.FileStore(str(tmp / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    stages = dist.new_group(list(range(cpu_workers, world)), backend="gloo")
+    share = ReportExchange(capacity=1024, cpu_workers=cpu_workers, stages=stages if rank >= cpu_workers else None)
+    seen = []
+    for step in range(4):  # one way, both ways, one way twice (the sends of one step released at the next)
+        one_way = step != 1
+        mine = WorkerReport() if one_way and rank < cpu_workers else _sent(rank, step)
+        seen.append(share(mine, one_way=one_way))
+    (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cpu_workers,stages", [(1, 1), (2, 2)])
+def test_a_step_without_a_cpu_share_tells_the_cpu_workers_one_way(tmp_path: Path, cpu_workers: int, stages: int) -> None:
+    """Where the CPU workers computed nothing, the stages share their reports and send them on:
+    every rank still ends with every rank's report, the CPU workers' empty."""
+    world = cpu_workers + stages
+    mp.start_processes(_one_way, args=(world, cpu_workers, tmp_path), nprocs=world, start_method="fork")
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    for step in range(4):
+        expected = [
+            WorkerReport() if step != 1 and r < cpu_workers else _sent(r, step) for r in range(world)
+        ]
+        assert all(seen[step] == expected for seen in ranks), step
