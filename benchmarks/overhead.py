@@ -16,7 +16,8 @@ from benchmarks.common import MLP, Row, alternate, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 
 
-DEFAULTS = dict(steps=40, repeats=3, width=512, batch_size=256)
+DEFAULTS = dict(steps=40, repeats=5, width=512, batch_size=256)
+GOALS = {"hetero, 1 stage, no CPU worker": "<= 1.03", "hetero, 1 stage + idle CPU worker": "<= 1.10"}
 PLAIN = "plain Lightning, 1 process"
 
 
@@ -45,7 +46,7 @@ def measure(steps: int, repeats: int, width: int, batch_size: int) -> dict[str, 
 def rows(smoke: bool = False) -> list[Row]:
     medians = measure(**(dict(steps=6, repeats=1, width=32, batch_size=16) if smoke else DEFAULTS))
     return [
-        Row("overhead", f"{name} / {PLAIN} (step time)", median / medians[PLAIN], "< 1.03")
+        Row("overhead", f"{name} / {PLAIN} (step time)", median / medians[PLAIN], GOALS[name])
         for name, median in medians.items()
         if name != PLAIN
     ]

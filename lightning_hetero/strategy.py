@@ -72,42 +72,30 @@ log = logging.getLogger(__name__)
 
 
 class HeteroStrategy(ParallelStrategy):
-    """Train one model on CPU workers and a pipeline of stages at the same time.
+    """Train one model on CPU workers and a pipeline of stages at the same time (docs/how-it-works.md).
 
     Args:
-        mode: ``"coarse"``: each worker trains its share of every batch, then gradients are summed.
-            ``"fine"``: as coarse, but each bucket of gradients is summed and stepped while the
-            backward is still busy with earlier layers, optionally on the CPU (``offload``).
-        stages: ``"auto"`` (one stage per GPU; two emulated CPU stages where there is no GPU), a
-            number of stages, or a list of devices such as ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
+        mode: ``"coarse"`` (gradients summed after the backward) or ``"fine"`` (bucket by bucket during it).
+        stages: ``"auto"`` (one stage per GPU; two emulated CPU stages without a GPU), a number of stages,
+            or a list of devices such as ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
         cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only).
         cpu_threads: torch threads per CPU worker; ``None`` shares the machine's cores out.
         micro_batches: micro-batches the pipeline's share is cut into.
         schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
-        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``. ``"auto"``
-            starts at each process's fair share of the cores when stages are emulated on the CPU,
-            and at 0 with GPU stages.
-        start_method: how processes start where no external launcher (torchrun, SLURM) starts them:
-            ``"popen"`` runs the script again for every other rank, as Lightning's DDP does;
-            ``"fork"``, ``"spawn"`` and ``"forkserver"`` start children of the main process.
-            ``"auto"`` is ``"fork"`` in a notebook and ``"popen"`` otherwise (see ``launcher.py``).
+        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``; ``"auto"``: each
+            process's fair share of the cores with emulated stages, 0 with GPU stages.
+        start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
+            ``"forkserver"``; ``"auto"``: fork in a notebook, popen elsewhere. Unused under torchrun or SLURM.
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
-        offload: fine mode: which buckets' optimizer steps run on the CPU, with fp32 master weights
-            and optimizer state in CPU memory: ``"none"``, ``"all"``, a list of bucket indices (0 is
-            the last layers' bucket), or ``"auto"``: on GPU stages, the buckets the backward finishes
-            first until the optimizer state left on the GPU fits in a quarter of its memory.
-        bucket_size_mb: fine mode: the parameter size that closes a bucket (a bucket holds whole
-            layers of one stage).
-        plan: a ``HeteroPlan`` (or the path of its YAML file) to replay: it sets every layout
-            argument above and where the layers are cut, so leave those at their defaults.
-        nonfinite: what a NaN or Inf in any worker's loss or gradients does, decided alike on every
-            rank (``finite.py``): ``"error"`` ends the run naming the step and the workers; ``"skip"``
-            skips that optimizer step on every rank, counts it in ``skipped_steps`` and logs
-            ``hetero/skipped_steps`` (fine mode then steps the buckets after the backward).
-        emulated_speed: TESTING ONLY, off by default: ``{"cpu": r, "pipeline": q}`` makes each CPU
-            worker's share of a training batch take at least ``samples / r`` seconds and the
-            pipeline's at least ``samples / q``, to emulate devices of known speeds (tests and
-            benchmarks of the rebalancer). It only ever makes a run slower.
+        offload: fine mode: the buckets whose optimizer step runs on the CPU (fp32 master weights and
+            state in CPU memory): ``"none"``, ``"all"``, bucket indices (0 is the last layers'), or
+            ``"auto"`` (on GPU stages, until the state left on the GPU fits in a quarter of it).
+        bucket_size_mb: fine mode: the parameter size that closes a bucket (whole layers of one stage).
+        plan: a ``HeteroPlan`` or its YAML file, replayed exactly (leave the arguments above as they are).
+        nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
+            and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
+        emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q}`` makes each side's share of a training
+            batch take at least ``samples / speed`` seconds, to emulate devices of known speeds.
     """
 
     strategy_name = "hetero"
@@ -188,10 +176,8 @@ class HeteroStrategy(ParallelStrategy):
         return self._plan.cpu_fraction
 
     def set_cpu_fraction(self, fraction: float) -> None:
-        """Give the CPU workers ``fraction`` of the batches from the next one on. Every rank must set the
-        same value at the same step (decide on one rank and broadcast)."""
-        if not 0.0 <= fraction <= 1.0 or (fraction > 0 and self._plan.cpu_workers == 0):
-            raise ValueError(f"A CPU fraction of {fraction} is not possible with {self._plan.cpu_workers} CPU worker(s).")
+        """Give the CPU workers ``fraction`` of the batches from the next one on (the plan checks it).
+        Every rank must set the same value at the same step (decide on one rank and broadcast)."""
         self._plan = replace(self._plan, cpu_fraction=float(fraction))
         self._set_threads()
 
@@ -333,12 +319,7 @@ class HeteroStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.world_size != self.topology.world_size:
-            raise RuntimeError(
-                f"The hetero layout {self.topology.describe()} needs {self.topology.world_size} processes, but the"
-                f" launcher started {self.world_size}. Start {self.num_processes} processes per node (e.g. `torchrun"
-                f" --nproc-per-node={self.num_processes}`)."
-            )
+        self.topology.check_world_size(self.world_size)
         name = self.rank_name(self.local_rank)
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name)
         log.debug("hetero: %s joined its process groups", name)

@@ -117,6 +117,15 @@ class Topology:
         stages = ", ".join(str(d) for d in self.stage_devices)
         return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
 
+    def check_world_size(self, started: int) -> None:
+        """Raise where a launcher started another number of processes than the layout needs."""
+        if started != self.world_size:
+            raise RuntimeError(
+                f"The hetero layout {self.describe()} needs {self.world_size} processes, but the launcher started"
+                f" {started}. Start {self.procs_per_node} processes per node (e.g. `torchrun"
+                f" --nproc-per-node={self.procs_per_node}`)."
+            )
+
     def device_names(self) -> list[str]:
         """Each global rank's name in logs: its role (``cpu0``, ``stage1``), ``node1.stage0`` on
         further nodes."""

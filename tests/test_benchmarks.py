@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.__main__ import BENCHMARKS, CUDA_ROWS
+from benchmarks.__main__ import BENCHMARKS, NOT_WRITTEN
+from benchmarks.cuda import NAMES as CUDA_NAMES
 
 
 def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
@@ -23,10 +24,10 @@ def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     lines = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = {line[0].lstrip("| ") for line in lines}
     assert names == {"overhead", "pipeline overhead", "hetero vs Lightning", "CPU optimizer", "rebalancer", "CUDA"}
-    assert len(BENCHMARKS) == 5
+    assert len(BENCHMARKS) == 6
     for benchmark, _, value, *_ in lines:
         if benchmark.lstrip("| ") == "CUDA":
-            assert value == "n/a"  # no CUDA device here: reported, not measured
+            assert value == "n/a"  # no CUDA device here: reported, not measured (or not written yet)
         else:
             assert 0 < float(value) < math.inf
-    assert sum(line[0].lstrip("| ") == "CUDA" for line in lines) == len(CUDA_ROWS)
+    assert sum(line[0].lstrip("| ") == "CUDA" for line in lines) == len(CUDA_NAMES) + len(NOT_WRITTEN)

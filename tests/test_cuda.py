@@ -1,0 +1,156 @@
+"""The CUDA paths, on a machine with a GPU: a GPU stage beside a CPU worker trains the model one
+device trains; fine mode's pinned staging, side streams and offloaded steps; bf16 on the GPU; the
+memory the offload saves; checkpoints; NVML stats and CUDA-event spans; a killed GPU rank.
+
+Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
+machine). The main process never touches CUDA, so the workers can be forked; the reference runs on
+the CPU in float64.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_hetero.callbacks import UtilizationMonitor
+from lightning_hetero.offload import OffloadStep
+from tests.conftest import Fault, hetero, max_param_diff, trainer
+from tests.models import Net, read_metrics, regression_data
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+STEPS = 8
+TOL = {"64-true": 1e-10, "32-true": 1e-5}
+"""float64 matches one device to rounding; float32 to the last bits of a float32 product summed in
+another order on the GPU (TF32 is off for matrix products by default)."""
+
+
+def gpu(**kwargs: Any) -> Any:
+    """One GPU stage beside a CPU worker, half of every batch each (unless told otherwise)."""
+    kwargs.setdefault("stages", ["cuda:0"])
+    kwargs.setdefault("cpu_fraction", 0.5)
+    return hetero(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    model = Net().double()
+    trainer(None, max_steps=STEPS).fit(model, regression_data())
+    return model.state_dict()
+
+
+def fit(strategy: Any, precision: str = "64-true", log_dir: Path | None = None, **kwargs: Any) -> Net:
+    model = Net()
+    trainer(strategy, log_dir, max_steps=STEPS, precision=precision, **kwargs).fit(model, regression_data())
+    return model
+
+
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_gpu_stage_beside_a_cpu_worker_trains_the_model_one_device_trains(
+    reference: dict, precision: str, mode: str
+) -> None:
+    model = fit(gpu(mode=mode), precision)
+    assert max_param_diff(reference, model) < TOL[precision]
+
+
+@pytest.mark.parametrize("offload", ["none", "all", [0]])
+def test_fine_mode_offloads_with_pinned_staging_and_side_streams(reference: dict, offload: Any, tmp_path: Path) -> None:
+    strategy = gpu(mode="fine", offload=offload, bucket_size_mb=0.0005)  # several buckets per stage
+    model = fit(strategy, callbacks=[OptimizerStateOnGpu(tmp_path)])
+    assert max_param_diff(reference, model) < TOL["64-true"]
+    report = json.loads((tmp_path / "stage.json").read_text())
+    assert report["offloaded"] == (offload != "none")
+    if offload == "all":
+        assert report["state_on_gpu"] == 0 and report["pinned_masters"]
+
+
+class OptimizerStateOnGpu(L.Callback):
+    """The GPU stage writes how many optimizer-state bytes it holds on the GPU, whether any bucket is
+    offloaded, and whether the offloaded buckets' CPU tensors are pinned."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.strategy.root_device.type != "cuda":
+            return
+        optimizer = trainer.strategy.optimizers[0]
+        on_gpu = sum(
+            t.numel() * t.element_size()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.is_cuda
+        )
+        steps = [s for s in trainer.strategy.bucket_steps if isinstance(s, OffloadStep)]
+        pinned = [g.is_pinned() for s in steps for g in s.grads if g is not None]
+        report = {"state_on_gpu": on_gpu, "offloaded": bool(steps), "pinned_masters": bool(pinned) and all(pinned)}
+        (self.out / "stage.json").write_text(json.dumps(report))
+
+
+class AllocatedAfterStep(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            (self.out / "allocated.json").write_text(json.dumps(torch.cuda.memory_allocated()))
+
+
+def test_offloading_every_bucket_takes_adams_state_off_the_gpu(tmp_path: Path) -> None:
+    """Adam keeps two tensors per parameter: offloaded, the GPU holds about two parameters' worth less."""
+    allocated = {}
+    for offload in ("none", "all"):
+        out = tmp_path / offload
+        out.mkdir()
+        fit(gpu(mode="fine", offload=offload, cpu_fraction=0.0), "32-true", callbacks=[AllocatedAfterStep(out)])
+        allocated[offload] = json.loads((out / "allocated.json").read_text())
+    params = sum(p.numel() * 4 for p in Net().parameters())
+    assert allocated["none"] - allocated["all"] >= 1.5 * params
+
+
+def test_bf16_mixed_on_the_gpu_beside_a_bf16_cpu_worker(reference: dict) -> None:
+    """Both compute under autocast in bfloat16 on their own device (the CPU worker on the CPU), with
+    float32 weights: close to the float64 model, as bf16's 8-bit mantissa allows."""
+    model = fit(gpu(), "bf16-mixed")
+    assert max_param_diff(reference, model) < 2e-2
+
+
+def test_a_gpu_stage_beside_a_cpu_stage(reference: dict) -> None:
+    model = fit(hetero(stages=["cuda:0", "cpu"], cpu_fraction=0.25, micro_batches=2))
+    assert max_param_diff(reference, model) < TOL["64-true"]
+
+
+def test_checkpoints_resume_exactly_on_the_gpu(reference: dict, tmp_path: Path) -> None:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_last=True)
+    model = Net()
+    trainer(gpu(), max_steps=4, callbacks=[checkpoints], enable_checkpointing=True).fit(model, regression_data())
+    resumed = Net()
+    trainer(gpu(), max_steps=STEPS).fit(resumed, regression_data(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert max_param_diff(reference, resumed) < TOL["64-true"]
+
+
+def test_nvml_stats_and_cuda_event_spans_reach_the_monitor(tmp_path: Path) -> None:
+    monitor = UtilizationMonitor(every_n_steps=2, trace_steps=4, save_dir=str(tmp_path / "trace"))
+    fit(gpu(), log_dir=tmp_path, callbacks=[monitor])
+    rows = [row for row in read_metrics(tmp_path) if row.get("util/stage0/gpu_util")]
+    assert rows and all(float(row["util/stage0/gpu_mem_allocated_gb"]) > 0 for row in rows)
+    trace = json.loads((tmp_path / "trace" / "trace.json").read_text())
+    compute = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1 and e["name"] == "compute"]
+    assert len({e["args"]["step"] for e in compute}) == 4  # the GPU stage's layers, timed by CUDA events
+
+
+def test_a_killed_gpu_rank_ends_the_run_and_is_named(tmp_path: Path) -> None:
+    with pytest.raises(Exception) as error:
+        fit(gpu(timeout=20), callbacks=[Fault(rank=1, step=2, how="kill")])
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert "global rank 1 (stage0" in text and "SIGKILL" in text
