@@ -252,8 +252,10 @@ def pipeline_time(
 
 def _replay_time(profile: Profile, machine: Machine, samples: int) -> float:
     """The last stage's replay of the step method on the pipeline's ``samples``: the loss's forward,
-    and the method's own work."""
-    loss = profile.devices[machine.stages[-1]].loss_forward_time(samples) / machine.stage_speed[-1]
+    and the method's own work. A pipeline of one stage runs the step method itself, with the loss in
+    it once (``workers.SoleStage``): only the method's own work is left."""
+    sole = len(machine.stages) == 1
+    loss = 0.0 if sole else profile.devices[machine.stages[-1]].loss_forward_time(samples) / machine.stage_speed[-1]
     return loss + profile.step_method_s_per_sample * samples if samples else 0.0
 
 
@@ -431,7 +433,9 @@ def plan_run(
 ) -> tuple[HeteroPlan, Prediction]:
     """The fastest layout the cost model finds for ``batch_size`` samples per step."""
     best: Optional[tuple[float, list[tuple[int, int]], int, int, Prediction]] = None
-    for m in range(1, min(max_micro_batches, batch_size) + 1):
+    # A pipeline of one stage runs its share in one pass (`workers.SoleStage`): no micro-batches.
+    most = 1 if len(machine.stages) == 1 else min(max_micro_batches, batch_size)
+    for m in range(1, most + 1):
         if schedule.lower() == "1f1b" and m < len(machine.stages):
             continue
         try:
@@ -593,11 +597,16 @@ def predict(
 def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, replay_s: float, samples: float) -> float:
     """Per sample, the step method's work beyond the model and its loss, from a last stage's replay
     of it on ``samples`` that took ``replay_s`` in the layout ``plan`` describes (the loss's
-    forward, at the layout's threads, taken out). Where the replay shared the cores with other
-    processes' work, that slowdown stays in: an estimate on the safe side."""
+    forward, at the layout's threads, taken out). A pipeline of one stage runs the whole step
+    itself (``workers.SoleStage``): its model's forward and backward and the loss's come out too.
+    Where the replay shared the cores with other processes' work, that slowdown stays in: an
+    estimate on the safe side."""
     layout, _, _ = _layout(profile, machine, cpu_share=plan.cpu_fraction > 0 and machine.cpu_workers > 0)
-    loss = profile.devices[layout.stages[-1]].loss_forward_time(samples) / layout.stage_speed[-1]
-    return max(0.0, replay_s - loss) / samples
+    times, speed = profile.devices[layout.stages[-1]], layout.stage_speed[-1]
+    if len(layout.stages) == 1:
+        model = times.layer_time(range(len(profile.layers)), samples)  # the loss's forward and backward with it
+        return max(0.0, replay_s - model / speed) / samples
+    return max(0.0, replay_s - times.loss_forward_time(samples) / speed) / samples
 
 
 def calibrated_optimizer_rates(

@@ -54,7 +54,7 @@ from lightning_hetero.sync import (
     set_grads_aside,
 )
 
-__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "GradPolicy", "ROLES", "check_emulated_speed"]
+__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "SoleStage", "GradPolicy", "ROLES", "check_emulated_speed"]
 
 GradPolicy = Literal["keep", "drop", "accumulate"]
 
@@ -224,7 +224,56 @@ class Worker:
         return report, output
 
 
-class CpuWorker(Worker):
+class _WholeModel(Worker):
+    """A whole model on this rank's device, running the module's own step methods on its share of
+    each batch (``_range``), forward and backward, as a single process would on that share."""
+
+    def _range(self, shares: Shares) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @override
+    def expected_grads(self, shares: Shares) -> int:
+        """Gradients each parameter receives in this step's backward (one per backward pass)."""
+        start, stop = self._range(shares)
+        return 1 if stop > start else 0
+
+    @override
+    def train_step(
+        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
+    ) -> tuple[WorkerReport, Any]:
+        start, stop = self._range(shares)
+        if start == stop:
+            self._train(lambda: None, grads)
+            return WorkerReport(), None
+
+        def compute() -> tuple[WorkerReport, Any]:
+            with span(clock, "compute"):
+                started = time.perf_counter()
+                share = self._on_device(slice_batch(batch, start, stop))
+                report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
+                weight = (stop - start) / (shares.batch_size * accumulate)
+                self.module.backward(_loss_of(output, "training_step") * weight)
+                self._pad(stop - start, started)
+                return report, output
+
+        return self._train(compute, grads)
+
+    @override
+    def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
+        start, stop = self._range(shares)
+        if start == stop:
+            return WorkerReport(), None
+        return self._run_step(method, self._on_device(slice_batch(batch, start, stop)), rest, stop - start, shares.batch_size)
+
+    def _on_device(self, share: Any) -> Any:
+        return share if self.device.type == "cpu" else move_data_to_device(share, self.device)
+
+    @override
+    def owns(self, bucket: Bucket) -> bool:
+        return True
+
+
+class CpuWorker(_WholeModel):
     """A full replica on the CPU, running the module's own step methods on its share."""
 
     speed_key = "cpu"
@@ -239,38 +288,8 @@ class CpuWorker(Worker):
         return cls(module, placement, index)
 
     @override
-    def expected_grads(self, shares: Shares) -> int:
-        """Gradients each parameter receives in this step's backward (one per backward pass)."""
-        start, stop = shares.cpu[self.index]
-        return 1 if stop > start else 0
-
-    @override
-    def train_step(
-        self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
-    ) -> tuple[WorkerReport, Any]:
-        start, stop = shares.cpu[self.index]
-        if start == stop:
-            self._train(lambda: None, grads)
-            return WorkerReport(), None
-
-        def compute() -> tuple[WorkerReport, Any]:
-            with span(clock, "compute"):
-                started = time.perf_counter()
-                share = slice_batch(batch, start, stop)
-                report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
-                weight = (stop - start) / (shares.batch_size * accumulate)
-                self.module.backward(_loss_of(output, "training_step") * weight)
-                self._pad(stop - start, started)
-                return report, output
-
-        return self._train(compute, grads)
-
-    @override
-    def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
-        start, stop = shares.cpu[self.index]
-        if start == stop:
-            return WorkerReport(), None
-        return self._run_step(method, slice_batch(batch, start, stop), rest, stop - start, shares.batch_size)
+    def _range(self, shares: Shares) -> tuple[int, int]:
+        return shares.cpu[self.index]
 
     @override
     def keeps_out(self, detached: bool) -> bool:
@@ -281,13 +300,40 @@ class CpuWorker(Worker):
         return list(zip(self.placement.stage_params_all(), self.placement.sync_groups))
 
     @override
-    def owns(self, bucket: Bucket) -> bool:
-        return True
+    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
+        place = self.placement
+        refresh_replicas(True, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+
+
+class SoleStage(_WholeModel):
+    """A pipeline of one stage: the whole model on the stage's device. With nothing to pipeline, it
+    runs the module's own step methods on the pipeline's share directly, as a CPU worker does on its
+    own share: no schedule, no micro-batches, no replay (and so no check that ``training_step``
+    returns ``pipeline_loss``: what it returns is what this stage trains on)."""
+
+    speed_key = "pipeline"
+    norm_slot = 0
+
+    def __init__(self, module: LightningModule, placement: Placement, device: torch.device) -> None:
+        super().__init__(module, placement.stage_params(0), placement)
+        self.device = device
+
+    @override
+    def _range(self, shares: Shares) -> tuple[int, int]:
+        return shares.pipeline
+
+    @override
+    def recorded_samples(self, shares: Shares, report: WorkerReport) -> int:
+        return shares.pipeline_size
+
+    @override
+    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
+        return [(self.params, self.placement.sync_groups[0])]
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
         place = self.placement
-        refresh_replicas(True, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+        refresh_replicas(False, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
 
 
 class StageWorker(Worker):
@@ -311,9 +357,12 @@ class StageWorker(Worker):
         device: torch.device,
         group: dist.ProcessGroup,
         schedule: type,
-    ) -> StageWorker:
+    ) -> Worker:
         """Stage ``index``: its blocks stay (they go to its device with the module), the others go to
-        the meta device (shapes only), so nothing can use their stale values."""
+        the meta device (shapes only), so nothing can use their stale values. A pipeline of one stage
+        is a ``SoleStage``."""
+        if len(placement.bounds) == 1:
+            return SoleStage(module, placement, device)
         start, stop = placement.bounds[index]
         for i, layer in enumerate(placement.layers):
             if not start <= i < stop:
