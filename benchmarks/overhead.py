@@ -16,7 +16,7 @@ from benchmarks.common import MLP, Row, alternate, step_times, synthetic_loader
 from lightning_hetero import HeteroStrategy
 
 
-DEFAULTS = dict(steps=40, repeats=5, width=512, batch_size=256)
+DEFAULTS = dict(steps=40, repeats=8, width=512, batch_size=256)
 GOALS = {"hetero, 1 stage, no CPU worker": "<= 1.03", "hetero, 1 stage + idle CPU worker": "<= 1.10"}
 PLAIN = "plain Lightning, 1 process"
 
