@@ -181,7 +181,9 @@ class StepEngine:
             if not grads_finite and "gradients" not in report.nonfinite:
                 report.nonfinite += ("gradients",)
         with span(state.clock, "wait"):
-            reports = self._share(report, one_way=not cpu_share)
+            # One way where the CPU workers computed nothing in this window: then nothing of theirs
+            # (not even fine mode's check of a window's accumulated gradients) can be in a report.
+            reports = self._share(report, one_way=not state.cpu_share)
         self._judge(reports, trainer, batch_idx, skipped)
         if state.syncs and state.detached and not state.skip:
             self.stale = True  # the stages step without the CPU workers

@@ -235,13 +235,13 @@ def layout_plan(
     given = sorted(name for name, value in arguments.items() if value != defaults[name])
     if given:
         raise ValueError(f"Pass the layout either as a plan or as arguments, not both: the plan sets {given} too.")
-    loaded = replace(plan) if isinstance(plan, HeteroPlan) else HeteroPlan.load(plan)
+    loaded = HeteroPlan.load(plan) if not isinstance(plan, HeteroPlan) else plan
     try:
-        resolve_stage_devices(loaded.stages)
+        devices = resolve_stage_devices(loaded.stages)
     except ValueError as error:
         source = "The plan" if isinstance(plan, HeteroPlan) else f"Plan file {plan}"
         raise ValueError(f"{source} cannot run on this machine: {error}") from None
-    return loaded
+    return replace(loaded, stages=[str(d) for d in devices])  # a copy, its devices named as they resolve here
 
 
 def _fraction(cpu_fraction: Any, cpu_workers: int, device_types: list[str]) -> float:

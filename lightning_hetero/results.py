@@ -156,7 +156,9 @@ class ReportExchange:
     among themselves (``stages``, a gloo group of them; none where there is one stage) and the first
     stage send them to every CPU worker without waiting (``isend``; a sent buffer is released at the
     next call, when its CPU worker has received it). Every rank ends with the same list, the CPU
-    workers' reports empty; every rank decides ``one_way`` alike, from the batch's shares.
+    workers' reports empty, except that a CPU worker keeps its own device stats (the stages and the
+    other CPU workers do not see them in such a step). Every rank decides ``one_way`` alike, from
+    the shares of the optimizer step's batches.
     """
 
     def __init__(

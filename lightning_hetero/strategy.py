@@ -70,6 +70,9 @@ __all__ = ["HeteroStrategy", "hetero_strategy"]
 
 log = logging.getLogger(__name__)
 
+Planner = Callable[["pl.Trainer", "HeteroStrategy", list[nn.Module]], HeteroPlan]
+"""What gives a run its plan when the strategy is about to cut the model (``plan_with``)."""
+
 
 class HeteroStrategy(ParallelStrategy):
     """Train one model on CPU workers and a pipeline of stages at the same time (docs/how-it-works.md).
@@ -137,6 +140,7 @@ class HeteroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
         self._engine: Optional[StepEngine] = None
+        self._planner: Optional[Planner] = None
 
     # ------------------------------------------------------------------ layout
 
@@ -146,9 +150,16 @@ class HeteroStrategy(ParallelStrategy):
         once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
         return self._plan
 
+    def plan_with(self, planner: Planner) -> None:
+        """Have ``planner(trainer, strategy, blocks)`` give this run's plan, on every rank, when the
+        strategy is about to cut the model: in its ``setup``, once per process, after the module's
+        ``setup`` and ``configure_model``, in the run's precision (``WorkloadAnalyzer`` registers
+        itself from its own ``setup`` hook)."""
+        self._planner = planner
+
     def apply_plan(self, plan: HeteroPlan) -> None:
-        """Take a plan's layout before the model is cut (the workload analyzer does, in its ``setup``
-        hook). Its stages, CPU workers and mode must be the run's: the processes exist already."""
+        """Take a plan's layout before the model is cut. Its stages, CPU workers and mode must be the
+        run's: the processes exist already."""
         running = (self._plan.stages, self._plan.cpu_workers, self._plan.mode)
         if ([str(d) for d in resolve_stage_devices(plan.stages)], plan.cpu_workers, plan.mode) != running:
             raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
@@ -352,11 +363,14 @@ class HeteroStrategy(ParallelStrategy):
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""
         assert self._groups is not None
-        layers, bounds = self._plan.place_blocks(module)
+        layers = self.check_model(module)
         if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
             # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
             _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         self.model = self.precision_plugin.convert_module(module)
+        if self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING:
+            self.apply_plan(self._planner(module.trainer, self, layers))
+        layers, bounds = self._plan.place_blocks(module)
         topology, role, device, groups = self.topology, self.role, self.root_device, self._groups
         placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank))
         schedule = resolve_schedule(self._plan.schedule, topology.num_stages, self._plan.micro_batches)

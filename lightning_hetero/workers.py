@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
@@ -247,7 +248,8 @@ class _WholeModel(Worker):
             return WorkerReport(), None
 
         def compute() -> tuple[WorkerReport, Any]:
-            with span(clock, "compute"):
+            # On a GPU, the device's own time (CUDA events): the host only queues the work.
+            with clock.device_span("compute") if clock is not None else nullcontext():
                 started = time.perf_counter()
                 share = self._on_device(slice_batch(batch, start, stop))
                 report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)

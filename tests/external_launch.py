@@ -4,7 +4,7 @@ Run by tests/test_launchers.py under torchrun, under a simulated SLURM srun, and
 strategy's own "popen" launch (which runs this script again for every other rank). Usage:
 
     python tests/external_launch.py OUT_DIR [--popen | --string] [--unseeded] [--num-nodes N] [--fine]
-        [--fault RANK:STEP:HOW] [--resume CKPT_DIR]
+        [--fault RANK:STEP:HOW] [--resume CKPT_DIR] [--analyzer]
 
 Rank 0 writes OUT_DIR/state.pt (the trained weights) and OUT_DIR/environment.txt; every rank
 writes OUT_DIR/rank{N}.pt with the parameters it holds. `--unseeded` builds the model without a
@@ -18,7 +18,8 @@ Every rank writes its process id to OUT_DIR/pid{N}.txt when it starts.
 "raise" raises), on the first attempt only (a marker file in OUT_DIR). `--resume DIR` checkpoints
 into DIR at every epoch's last batch (4 steps) with `save_last=True` and fits with `ckpt_path="last"`: a restarted
 run (torchrun's `--max-restarts`) continues from the last checkpoint; rank 0 writes torchrun's
-restart count to OUT_DIR/restarts.txt.
+restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays the model out in
+each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
 """
 
 import argparse
@@ -32,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_hetero.callbacks import WorkloadAnalyzer  # noqa: E402
 from tests.conftest import Fault, hetero, trainer  # noqa: E402
 from tests.models import Net, regression_data  # noqa: E402
 
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--fine", action="store_true", help="fine mode, the last layers' bucket offloaded")
     parser.add_argument("--fault", help="RANK:STEP:HOW, e.g. 2:6:kill")
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
+    parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     args = parser.parse_args()
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
     model = Net(seed=None if args.unseeded else 0).to(torch.float64 if args.resume else torch.float32)
@@ -66,6 +69,8 @@ def main() -> None:
         callbacks.append(Fault(int(rank), int(step), how, once=args.out_dir / "fault.done"))
     if args.resume:
         callbacks.append(ModelCheckpoint(dirpath=args.resume, filename="{step}", every_n_train_steps=4, save_last=True))
+    if args.analyzer:
+        callbacks.append(WorkloadAnalyzer(warmup_steps=2, measure_steps=1, repeats=1, contention_s=0.05))
     t = trainer(
         strategy,
         max_steps=8 if args.num_nodes == 1 else 6,
@@ -73,6 +78,8 @@ def main() -> None:
         callbacks=callbacks,
         enable_checkpointing=bool(args.resume),
     )
+    if args.analyzer:
+        t.validate(model, regression_data(n=20, seed=3), verbose=False)
     t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48), ckpt_path="last" if args.resume else None)
     if args.resume and t.global_rank == 0:
         (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -268,3 +268,48 @@ def test_the_cores_are_probed_only_where_processes_share_them() -> None:
     assert set(sharing(("cuda:0",), 2, 0)) == {"shared"}  # two CPU workers share the cores
     assert set(sharing(("cpu", "cpu"), 1, 0)) == {"shared"}
     assert set(sharing(("cpu", "cpu"), 1, 2)) == {"shared", "stages"}
+
+
+class DataInSetup(L.LightningModule):
+    """Builds its dataset in `setup` (a common Lightning pattern) and its blocks in `configure_model`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: nn.ModuleList | None = None
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 3, generator=g))
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList([nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)])
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:  # type: ignore[union-attr]
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self(batch[0]), batch[1])
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_analyzer_plans_after_the_modules_own_setup(tmp_path: Path) -> None:
+    """The plan is made when the strategy is about to cut the model: after the module's `setup` (its
+    data) and `configure_model` (its blocks)."""
+    analyzer = WorkloadAnalyzer(warmup_steps=2, measure_steps=1, repeats=1, contention_s=0.05, save_dir=str(tmp_path))
+    trainer(hetero(timeout=TIMEOUT), max_steps=4, callbacks=[analyzer]).fit(DataInSetup())
+    assert HeteroPlan.load(tmp_path / "plan.yaml").stages == ["cpu", "cpu"]

@@ -132,6 +132,13 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str) -> None
     assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
 
 
+def test_a_fit_after_a_validate_in_the_same_processes_keeps_their_layout(tmp_path: Path, reference: dict) -> None:
+    """popen keeps its processes between trainer calls: a validate lays the model out, and the
+    workload analyzer of the fit after it leaves that layout as it is (and says so)."""
+    popen(tmp_path, "--analyzer")
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+
+
 def test_processes_that_build_their_own_model_start_from_rank_zero(tmp_path: Path) -> None:
     """With no seed, each process initializes differently; the strategy must align them first."""
     popen(tmp_path, "--unseeded")

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -127,26 +126,24 @@ class WorkloadAnalyzer(L.Callback):
         self.measured_step_s: Optional[float] = None
         self._calibrated = False
         self._steps: list[float] = []
+        self._planned = False
 
     # ------------------------------------------------------------ planning
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Plan a fit's layout on every rank, and apply it before the strategy cuts the model."""
+        """Have a fit's layout planned by ``plan_layout`` when the strategy is about to cut the model
+        (after the module's own ``setup`` and ``configure_model``, in the run's precision)."""
         strategy = hetero_strategy(trainer)
-        if strategy is None or stage != TrainerFn.FITTING or self.plan is not None:
-            return
-        if is_overridden("configure_model", pl_module):
-            # Lightning builds these layers right after this hook; the hook is idempotent (its contract).
-            with strategy.tensor_init_context(), strategy.precision_plugin.module_init_context():
-                pl_module.configure_model()
-        layers = strategy.check_model(pl_module)
-        strategy.precision_plugin.convert_module(pl_module)  # profile in the run's precision
-        log.debug("WorkloadAnalyzer: profiling %d blocks on %s", len(layers), strategy.rank_name(strategy.local_rank))
-        strategy.apply_plan(self.plan_layout(trainer, strategy, layers))
+        if strategy is not None and stage == TrainerFn.FITTING:
+            self._planned = False
+            strategy.plan_with(self.plan_layout)
 
     def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
         """Profile on every rank, plan on rank 0, and return the plan on every rank (collective)."""
+        log.debug("WorkloadAnalyzer: profiling %d blocks on %s", len(layers), strategy.rank_name(strategy.local_rank))
+        self.prediction = self.profile = self.measured_step_s = None
+        self._calibrated, self._steps, self._planned = False, [], True
         module = trainer.lightning_module
         batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
@@ -384,6 +381,11 @@ class WorkloadAnalyzer(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if hetero_strategy(trainer) is not None and not self._planned:
+            # The strategy laid the model out before this fit (an earlier `validate` in this process).
+            rank_zero_warn("WorkloadAnalyzer: the model was laid out before this fit, in this process; no plan.")
+            self.plan = self.prediction = self.profile = None
+            return
         if self.plan is None or self.prediction is None or self.profile is None:
             return
         for logger in trainer.loggers:
