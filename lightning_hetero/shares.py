@@ -14,7 +14,10 @@ A share of a batch is samples ``[start, stop)`` of every tensor in it (``slice_b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,36 +72,74 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its tensors, which must agree, since
-    every tensor of a batch is divided between the workers along it (``slice_batch``)."""
-    tensors = _tensors(batch)
-    if not tensors:
-        raise TypeError(f"Cannot tell the batch size of a {type(batch).__name__}; batches must hold tensors.")
-    if any(t.dim() == 0 for t in tensors) or len({t.shape[0] for t in tensors}) > 1:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise ValueError(
-            "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
-            f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
-            f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers)."
-        )
-    return tensors[0].shape[0]
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
-    if isinstance(batch, (tuple, list)):
-        return [t for value in batch for t in _tensors(value)]
-    return []
+    every tensor of a batch is divided between the workers along it (``slice_batch``). A batch
+    without tensors counts the items of its lists of plain values (per-sample strings, ids)."""
+    tensors = [t for t in _leaves(batch, Tensor) if t.dim() > 0]
+    if tensors:
+        if len({t.shape[0] for t in tensors}) > 1:
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise ValueError(
+                "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
+                f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
+                f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers)."
+            )
+        return tensors[0].shape[0]
+    lengths = {len(values) for values in _leaves(batch, list) if values}
+    if len(lengths) == 1:
+        return lengths.pop()
+    raise TypeError(
+        f"Cannot tell the batch size of a {type(batch).__name__}: a batch needs tensors with one row per sample,"
+        " or lists with one value per sample."
+    )
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``[start, stop)`` of every tensor in the batch."""
+    """Samples ``[start, stop)`` of a batch of any structure Lightning takes (dicts, lists, tuples,
+    named tuples, dataclasses, mappings such as a tokenizer's ``BatchEncoding``): every tensor with
+    one row per sample is sliced, and so is every list of plain values with one per sample (strings,
+    ids); what is not per sample (a 0-dim tensor, a number, a list of another length) goes to every
+    worker whole."""
+    return _slice(batch, start, stop, batch_size_of(batch))
+
+
+def _slice(batch: Any, start: int, stop: int, size: int) -> Any:
     if isinstance(batch, Tensor):
-        return batch[start:stop]
+        return batch[start:stop] if batch.dim() > 0 else batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, start, stop) for k, v in batch.items()})
+        items = {k: _slice(v, start, stop, size) for k, v in batch.items()}
+        return type(batch)(batch.default_factory, items) if isinstance(batch, defaultdict) else type(batch)(items)
+    if _is_namedtuple(batch):
+        return type(batch)(*(_slice(v, start, stop, size) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(slice_batch(v, start, stop) for v in batch)
+        if _plain_values(batch) and len(batch) == size:
+            return batch[start:stop]
+        return type(batch)(_slice(v, start, stop, size) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        sliced = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            object.__setattr__(sliced, f.name, _slice(getattr(batch, f.name), start, stop, size))
+        return sliced
     return batch
+
+
+def _leaves(batch: Any, kind: type) -> list[Any]:
+    """The tensors (``kind=Tensor``) or lists of plain values (``kind=list``) anywhere in the batch."""
+    if isinstance(batch, Tensor):
+        return [batch] if kind is Tensor else []
+    if isinstance(batch, Mapping):
+        return [leaf for value in batch.values() for leaf in _leaves(value, kind)]
+    if isinstance(batch, (tuple, list)):
+        if kind is list and not _is_namedtuple(batch) and batch and _plain_values(batch):
+            return [batch]
+        return [leaf for value in batch for leaf in _leaves(value, kind)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [leaf for f in dataclasses.fields(batch) for leaf in _leaves(getattr(batch, f.name), kind)]
+    return []
+
+
+def _plain_values(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, (str, bytes, int, float, bool)) or v is None for v in values)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")

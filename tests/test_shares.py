@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import re
+from collections import defaultdict, namedtuple
+from dataclasses import dataclass
 
-from lightning_hetero.shares import split_batch
+import pytest
+import torch
+import transformers
+
+from lightning_hetero.shares import batch_size_of, slice_batch, split_batch
 
 
 @pytest.mark.parametrize("batch_size", range(1, 40))
@@ -51,3 +57,59 @@ def test_pipeline_alone_with_an_uneven_batch_uses_fewer_micro_batches() -> None:
 def test_empty_batch_is_an_error() -> None:
     with pytest.raises(ValueError, match="empty batch"):
         split_batch(0, 0.5, 1, 2)
+
+
+@dataclass
+class Sample:
+    pixels: torch.Tensor
+    captions: list
+    temperature: float
+
+
+Pair = namedtuple("Pair", "inputs targets")
+
+
+def test_a_batch_of_any_structure_is_split_by_samples() -> None:
+    """Tensors with a row per sample and lists with a value per sample are sliced, wherever they
+    sit; what is not per sample goes to every worker whole."""
+    batch = {
+        "input_ids": torch.arange(12).view(6, 2),
+        "extra": {"texts": list("abcdef"), "lookup": [7, 8], "scale": torch.tensor(2.0), "steps": 3},
+        "pair": Pair(torch.ones(6, 3), torch.zeros(6)),
+        "sample": Sample(torch.zeros(6, 4), [f"c{i}" for i in range(6)], 0.5),
+        "by_default": defaultdict(list, {"ids": list(range(6))}),
+    }
+    assert batch_size_of(batch) == 6
+    part = slice_batch(batch, 2, 5)
+    assert part["input_ids"].tolist() == [[4, 5], [6, 7], [8, 9]]
+    assert part["extra"] == {"texts": ["c", "d", "e"], "lookup": [7, 8], "scale": torch.tensor(2.0), "steps": 3}
+    assert isinstance(part["pair"], Pair) and part["pair"].inputs.shape == (3, 3) and part["pair"].targets.shape == (3,)
+    assert isinstance(part["sample"], Sample) and part["sample"].captions == ["c2", "c3", "c4"]
+    assert part["sample"].pixels.shape == (3, 4) and part["sample"].temperature == 0.5
+    assert isinstance(part["by_default"], defaultdict) and part["by_default"]["ids"] == [2, 3, 4]
+    assert batch["extra"]["texts"] == list("abcdef")  # the batch itself is left as it was
+
+
+def test_a_batch_of_only_per_sample_lists_counts_their_items() -> None:
+    batch = {"prompts": ["a b", "c", "d e f"], "ids": [11, 12, 13]}
+    assert batch_size_of(batch) == 3
+    assert slice_batch(batch, 1, 3) == {"prompts": ["c", "d e f"], "ids": [12, 13]}
+
+
+def test_a_tokenizers_batch_encoding_keeps_its_type() -> None:
+    batch = transformers.BatchEncoding({"input_ids": torch.arange(8).view(4, 2), "attention_mask": torch.ones(4, 2)})
+    part = slice_batch(batch, 1, 3)
+    assert isinstance(part, transformers.BatchEncoding) and part["input_ids"].tolist() == [[2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize(
+    "batch,error",
+    [
+        ((torch.zeros(4, 2), torch.zeros(3)), "this batch holds tensors of shapes (4, 2), (3,)"),
+        ({"a": ["x", "y"], "b": ["z"]}, "Cannot tell the batch size of a dict"),
+        (3.0, "Cannot tell the batch size of a float"),
+    ],
+)
+def test_a_batch_whose_samples_cannot_be_told_apart_is_an_error(batch: object, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=re.escape(error)):
+        batch_size_of(batch)
