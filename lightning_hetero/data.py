@@ -84,11 +84,14 @@ def with_workers(dataloader: object, workers: int) -> object:
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
-def check_before_launch(trainer: "pl.Trainer", model: "pl.LightningModule", args: Sequence[Any]) -> None:
+def check_before_launch(
+    trainer: "pl.Trainer", model: "pl.LightningModule", args: Sequence[Any], pairs: bool = True
+) -> None:
     """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
-    the launcher: the model, then the loaders) as every process would at its first batch. Skipped
-    where the model reshapes its batches in a batch-transfer hook (the processes see the result),
-    and for a validation loader the fit will not use."""
+    the launcher: the model, then the loaders) as every process would at its first batch; ``pairs``:
+    the training batches must be ``(inputs, targets)`` (a pipeline's). Skipped where the model
+    reshapes its batches in a batch-transfer hook (the processes see the result), and for a
+    validation loader the fit will not use."""
     if any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
         return
     fn = trainer.state.fn
@@ -110,7 +113,7 @@ def check_before_launch(trainer: "pl.Trainer", model: "pl.LightningModule", args
             continue
         try:
             batch_size_of(batch)
-            if stage == RunningStage.TRAINING:
+            if stage == RunningStage.TRAINING and pairs:
                 split_inputs_targets(batch)
         except (TypeError, ValueError) as error:
             raise type(error)(f"The {stage.dataloader_prefix} dataloader's first batch: {error}") from None

@@ -123,6 +123,15 @@ class StepEngine:
         self.recorder = recorder
         self._outputs = outputs
 
+    def close(self) -> None:
+        """The end of a fit, validation, test or prediction in this process: the sync's threads and
+        hooks go, and what this rank sent is delivered."""
+        self.sync.close()
+        self.sync = GradSync()
+        flush = getattr(self._exchange, "flush", None)
+        if flush is not None:
+            flush()
+
     def pace(self, speeds: Mapping[str, float]) -> None:
         """TESTING ONLY: emulate a worker of ``speeds[worker.speed_key]`` samples per second (none: real speed)."""
         speed = speeds.get(self.worker.speed_key)

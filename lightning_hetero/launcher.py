@@ -350,7 +350,8 @@ class HeteroLauncher(_Launcher):
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model)
         if trainer is not None and model is not None:
-            check_before_launch(trainer, model, args)
+            pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
+            check_before_launch(trainer, model, args, pairs=pipeline)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)

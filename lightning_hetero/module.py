@@ -1,6 +1,8 @@
 """The model contract, and the ``PipelineModule`` mixin that derives the Lightning steps from it.
 
-A model trains with the hetero strategy when its LightningModule provides
+Any LightningModule trains with the hetero strategy as it is, as *replicas*: every device of the
+layout holds the whole model and runs the module's own ``training_step`` on its share of every
+batch (``check_replica_contract``). To be pipelined, a LightningModule provides
 
 - ``pipeline_layers() -> Sequence[nn.Module]``: the model as an ordered list of blocks, each the
   input of the next, every trainable parameter owned by exactly one block; and
@@ -28,7 +30,9 @@ __all__ = [
     "run_layers",
     "split_inputs_targets",
     "inputs_of",
+    "offers_blocks",
     "check_model_contract",
+    "check_replica_contract",
     "check_optimizers",
     "layer_names",
 ]
@@ -104,33 +108,59 @@ class PipelineModule:
         return loss
 
 
+def offers_blocks(model: nn.Module) -> bool:
+    """Whether the model offers itself as blocks to pipeline: it has a ``pipeline_layers()`` of its own."""
+    return _defines(model, "pipeline_layers")
+
+
+def _defines(model: nn.Module, method: str) -> bool:
+    return callable(getattr(model, method, None)) and getattr(type(model), method, None) is not getattr(
+        PipelineModule, method
+    )
+
+
+def check_replica_contract(model: nn.Module) -> list[nn.Module]:
+    """Check that the model can train as replicas; return its parameter blocks: each module's own
+    parameters (not its children's), in the order the model registers them, every parameter once
+    (a parameter two modules share belongs to the first, whose backward finishes it: fine mode's
+    buckets follow these blocks)."""
+    _check_training(model)
+    stats = [type(m).__name__ for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+    if stats:
+        raise ValueError(
+            f"`{type(model).__name__}` contains {stats[0]} with running statistics, which the hetero strategy does"
+            " not synchronize between replicas yet. Use LayerNorm/GroupNorm, or `track_running_stats=False`."
+        )
+    seen: set[int] = set()
+    blocks = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            blocks.append(_Block(own))
+    return blocks
+
+
+class _Block(nn.Module):
+    """One module's own parameters, as a block of a replica (the same parameter objects)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
 def check_model_contract(model: nn.Module) -> list[nn.Module]:
     """Return ``model.pipeline_layers()`` after checking the contract; raise a clear error otherwise."""
     name = type(model).__name__
     hint = (
         "Define `pipeline_layers()` (the model as an ordered list of blocks) and `pipeline_loss(output, target)`"
-        " on your LightningModule, or inherit from `lightning_hetero.PipelineModule`."
+        " on your LightningModule, or inherit from `lightning_hetero.PipelineModule`; or train it as it is, as"
+        " replicas (`parallelism='replicas'`)."
     )
     for method in ("pipeline_layers", "pipeline_loss"):
-        if not callable(getattr(model, method, None)) or getattr(type(model), method, None) is getattr(
-            PipelineModule, method
-        ):
+        if not _defines(model, method):
             raise TypeError(f"`{name}` does not follow the hetero model contract: it has no `{method}()`. {hint}")
-    if getattr(model, "automatic_optimization", True) is False:
-        raise ValueError(
-            f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
-            " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
-        )
-    step = getattr(model, "training_step", None)
-    if callable(step) and (
-        is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
-        or not is_param_in_hook_signature(step, "batch_idx", min_args=2)
-    ):
-        raise TypeError(
-            f"`{name}.training_step` must take `(batch, batch_idx)`: the strategy divides each batch between its"
-            " workers and counts batches for gradient accumulation, so a step that takes a `dataloader_iter`, or"
-            " no `batch_idx`, cannot run."
-        )
+    _check_training(model)
     layers = model.pipeline_layers()
     if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)):
         raise TypeError(f"`{name}.pipeline_layers()` must return a list of modules, got {type(layers).__name__}.")
@@ -159,6 +189,27 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
             )
     _check_parameter_ownership(model, layers)
     return layers
+
+
+def _check_training(model: nn.Module) -> None:
+    """What any model needs to train with the strategy: automatic optimization, and a ``training_step``
+    that takes a batch and its index."""
+    name = type(model).__name__
+    if getattr(model, "automatic_optimization", True) is False:
+        raise ValueError(
+            f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
+            " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
+        )
+    step = getattr(model, "training_step", None)
+    if callable(step) and (
+        is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
+        or not is_param_in_hook_signature(step, "batch_idx", min_args=2)
+    ):
+        raise TypeError(
+            f"`{name}.training_step` must take `(batch, batch_idx)`: the strategy divides each batch between its"
+            " workers and counts batches for gradient accumulation, so a step that takes a `dataloader_iter`, or"
+            " no `batch_idx`, cannot run."
+        )
 
 
 def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> None:

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
 from lightning_hetero.files import atomic_write
-from lightning_hetero.module import check_model_contract, layer_names
+from lightning_hetero.module import check_model_contract, check_replica_contract, layer_names, offers_blocks
 from lightning_hetero.offload import check_offload
 from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
 from lightning_hetero.sync import make_buckets
@@ -32,6 +32,7 @@ from lightning_hetero.topology import parse_device, resolve_stage_devices
 __all__ = ["HeteroPlan", "LAYOUT_ARGUMENTS", "layout_plan"]
 
 LAYOUT_ARGUMENTS = (
+    "parallelism",
     "mode",
     "stages",
     "cpu_workers",
@@ -50,6 +51,10 @@ class HeteroPlan:
     """The layout of a hetero run. Every field is what ``HeteroStrategy`` takes of the same name,
     except ``boundaries``, which fixes where the layers are cut."""
 
+    parallelism: Literal["auto", "pipeline", "replicas"] = "auto"
+    """What the devices hold: ``"pipeline"``, a stage each (the model's ``pipeline_layers()`` cut between
+    them); ``"replicas"``, the whole model each (any LightningModule); ``"auto"``, a pipeline where
+    the model offers blocks, replicas where it does not."""
     mode: Literal["coarse", "fine"] = "coarse"
     """Coarse: gradients summed after the backward; fine: bucket by bucket during it."""
     stages: list[str] = field(default_factory=lambda: ["cpu", "cpu"])
@@ -83,6 +88,13 @@ class HeteroPlan:
     def validate(self) -> None:
         """Raise a clear error for a plan no run could follow. The model is checked by ``cut``, and
         the devices' existence when a strategy takes the plan (it may be for another machine)."""
+        if self.parallelism not in ("auto", "pipeline", "replicas"):
+            raise ValueError(
+                f"`parallelism={self.parallelism!r}` must be 'auto', 'pipeline' (the devices hold pipeline stages)"
+                " or 'replicas' (each holds the whole model)."
+            )
+        if self.parallelism == "replicas" and self.boundaries:
+            raise ValueError("Plan: replicas hold the whole model; `boundaries` cut pipeline stages.")
         if self.mode not in ("coarse", "fine"):
             raise ValueError(f"Plan: `mode={self.mode!r}` must be 'coarse' or 'fine'.")
         if not self.stages:
@@ -118,12 +130,24 @@ class HeteroPlan:
         if self.dataloader_workers is not None and self.dataloader_workers < 0:
             raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
 
+    def for_model(self, model: nn.Module) -> HeteroPlan:
+        """This plan with ``parallelism`` decided for ``model`` (``"auto"``: a pipeline where it offers
+        blocks, replicas where it does not)."""
+        if self.parallelism != "auto":
+            return self
+        return replace(self, parallelism="pipeline" if offers_blocks(model) else "replicas")
+
     def place_blocks(self, model: nn.Module) -> tuple[list[nn.Module], list[tuple[int, int]]]:
-        """The model's blocks (``pipeline_layers()``, the contract checked) and each stage's
-        ``[start, stop)`` of them: where the plan cuts them, or balanced by parameter count. Raises
-        a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist."""
-        layers = check_model_contract(model)
-        bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, len(self.stages))
+        """The model's blocks and each stage's ``[start, stop)`` of them, the contract checked. In a
+        pipeline, ``pipeline_layers()`` cut where the plan cuts them, or balanced by parameter count;
+        replicas hold all of the model's parameter blocks (``check_replica_contract``) in one piece.
+        Raises a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist."""
+        if self.for_model(model).parallelism == "replicas":
+            layers = check_replica_contract(model)
+            bounds = [(0, len(layers))]
+        else:
+            layers = check_model_contract(model)
+            bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, len(self.stages))
         if not isinstance(self.offload, str) and self.offload:
             count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20)))
             if self.offload[-1] >= count:
@@ -168,6 +192,7 @@ class HeteroPlan:
     def from_arguments(
         cls,
         *,
+        parallelism: str,
         mode: str,
         stages: Any,
         cpu_workers: Any,
@@ -191,6 +216,7 @@ class HeteroPlan:
             _check_int("cpu_threads", cpu_threads, minimum=1)
         devices = resolve_stage_devices(stages)
         return cls(
+            parallelism=parallelism,
             mode=mode,
             stages=[str(d) for d in devices],
             cpu_workers=cpu_workers,

@@ -194,6 +194,11 @@ class ReportExchange:
         cpu_reports = [report if rank == self._rank else WorkerReport() for rank in range(first_stage)]
         return cpu_reports + stage_reports
 
+    def flush(self) -> None:
+        """Wait until the CPU workers have what was sent them (before the process groups go: a
+        process that left with a send in flight would break its CPU worker's receive)."""
+        self._wait_for_sends()
+
     def _wait_for_sends(self) -> None:
         for work, _ in self._sends:
             work.wait()

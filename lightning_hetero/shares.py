@@ -41,6 +41,14 @@ class Shares:
     def pipeline_size(self) -> int:
         return self.pipeline[1] - self.pipeline[0]
 
+    def device_part(self, index: int, count: int) -> tuple[int, int]:
+        """Device replica ``index`` of ``count``'s samples: the devices' share (``pipeline``) spread
+        evenly, the first ones taking one more where it does not divide."""
+        start, stop = self.pipeline
+        base, extra = divmod(stop - start, count)
+        first = start + index * base + min(index, extra)
+        return first, first + base + (1 if index < extra else 0)
+
 
 def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_batches: int) -> Shares:
     """Divide ``batch_size`` samples between ``cpu_workers`` CPU workers and the pipeline (see module doc)."""

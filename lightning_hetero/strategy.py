@@ -95,6 +95,10 @@ class HeteroStrategy(ParallelStrategy):
             ``"auto"`` (on GPU stages, until the state left on the GPU fits in a quarter of it).
         bucket_size_mb: fine mode: the parameter size that closes a bucket (whole layers of one stage).
         plan: a ``HeteroPlan`` or its YAML file, replayed exactly (leave the arguments above as they are).
+        parallelism: what the devices (``stages``) hold: ``"pipeline"``, a stage each, cut from the
+            model's ``pipeline_layers()``; ``"replicas"``, the whole model each, running its own
+            ``training_step`` on their part of the batch (any LightningModule); ``"auto"``, a pipeline
+            where the model offers blocks, replicas where it does not.
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
         emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q}`` makes each side's share of a training
@@ -119,6 +123,7 @@ class HeteroStrategy(ParallelStrategy):
         plan: Union[HeteroPlan, str, Path, None] = None,
         nonfinite: NonfinitePolicy = "error",
         emulated_speed: Optional[Mapping[str, float]] = None,
+        parallelism: Literal["auto", "pipeline", "replicas"] = "auto",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -179,7 +184,8 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def micro_batches(self) -> int:
-        return self._plan.micro_batches
+        """Micro-batches of the pipeline's share: 1 where the devices do not pipeline (replicas, one stage)."""
+        return self._plan.micro_batches if not self.topology.replicas and len(self._stage_devices) > 1 else 1
 
     @property
     def cpu_fraction(self) -> float:
@@ -203,7 +209,7 @@ class HeteroStrategy(ParallelStrategy):
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
-        return split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self._plan.micro_batches)
+        return split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self.micro_batches)
 
     @property
     def emulated_speed(self) -> dict[str, float]:
@@ -217,14 +223,21 @@ class HeteroStrategy(ParallelStrategy):
             self._engine.pace(self._emulated_speed)
 
     def check_model(self, model: LightningModule) -> list[nn.Module]:
-        """The model's blocks, after checking the contract and that they fill the stages."""
+        """The model's blocks, after checking the contract and that they fill the stages; decides
+        ``parallelism="auto"`` for the model."""
+        self._plan = self._plan.for_model(model)
         return self._plan.place_blocks(model)[0]
 
     # ------------------------------------------------------- ranks and devices
 
     @property
     def topology(self) -> Topology:
-        return Topology(cpu_workers=self._plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes)
+        return Topology(
+            cpu_workers=self._plan.cpu_workers,
+            stage_devices=self._stage_devices,
+            num_nodes=self._num_nodes,
+            replicas=self._plan.parallelism == "replicas",
+        )
 
     @property
     def role(self) -> Role:
@@ -330,6 +343,7 @@ class HeteroStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self._plan = self._plan.for_model(self.lightning_module)  # the groups differ by parallelism
         self.topology.check_world_size(self.world_size)
         name = self.rank_name(self.local_rank)
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name)
@@ -399,7 +413,7 @@ class HeteroStrategy(ParallelStrategy):
         worker, groups, topology = self._engine.worker, self._groups, self.topology
         return worker.build_sync(
             self.mode,
-            norm=GlobalNorm(worker.norm_slot, topology.num_stages, topology.num_nodes, groups.control),
+            norm=GlobalNorm(worker.norm_slot, len(worker.placement.bounds), topology.num_nodes, groups.control),
             replica_group=groups.replica,
             optimizer=self.optimizers[0],
             bucket_bytes=int(self._plan.bucket_size_mb * 2**20),
@@ -576,8 +590,8 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def _rank_zero_has_everything(self) -> bool:
-        # Global rank 0 is a CPU worker wherever there is one; otherwise it is stage 0.
-        return self._plan.cpu_workers > 0 or self._engine is None
+        # Global rank 0 is a CPU worker wherever there is one; otherwise it is stage 0, or a replica.
+        return self._plan.cpu_workers > 0 or self.topology.replicas or self._engine is None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -636,8 +650,7 @@ class HeteroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.sync.close()
-            self._engine.sync = GradSync()
+            self._engine.close()
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_materialized(self.lightning_module, torch.device("cpu"))

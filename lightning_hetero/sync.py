@@ -41,6 +41,7 @@ from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, param_
 from lightning_hetero.record import StepClock, span
 
 __all__ = [
+    "SumOver",
     "GradSync",
     "CoarseSync",
     "FineSync",
@@ -222,22 +223,38 @@ class GlobalNorm:
         return global_grad_norm(own, self.slot or 0, self.num_stages, self.num_nodes, group=self.group, finite=finite)
 
 
-class CoarseSync(GradSync):
-    """Coarse mode: after the backward, sum each stage's gradients over its sync group, then
-    average over nodes; clip with the global norm.
+@dataclass(frozen=True)
+class SumOver:
+    """Parameters this rank sums with others (``workers.Worker.sync_buckets``): over ``group``, or, in
+    an optimizer step the CPU workers keep out of, over ``without_cpu`` (the other devices that hold
+    them; ``None`` where no other does). Either is ``None`` where there is nobody to sum with."""
 
-    ``buckets`` holds, for each stage this rank takes part in, the parameters of that stage (on
-    this rank) and the stage's sync group; ranks with nothing to sum with (no CPU worker) pass none.
-    """
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
+    without_cpu: dist.ProcessGroup | None = None
+
+
+def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucket]:
+    return [
+        _FlatBucket(b.params, group)
+        for b in buckets
+        if (group := b.without_cpu if detached else b.group) is not None and b.params
+    ]
+
+
+class CoarseSync(GradSync):
+    """Coarse mode: after the backward, sum each bucket's gradients over its group (``SumOver``),
+    then average over nodes; clip with the global norm."""
 
     def __init__(
         self,
-        buckets: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None]],
+        buckets: Sequence[SumOver],
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[Sequence[Tensor]], Tensor],
     ) -> None:
-        self._buckets = [_FlatBucket(params, group) for params, group in buckets if group is not None and params]
-        params = [p for params, _ in buckets for p in params]
+        self._buckets = _flat_buckets(buckets, detached=False)
+        self._detached_buckets = _flat_buckets(buckets, detached=True)
+        params = [p for b in buckets for p in b.params]
         self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
         self._norm = norm
         self._detached, self._takes_part = False, True
@@ -252,8 +269,7 @@ class CoarseSync(GradSync):
         if not self._takes_part:
             return
         with span(clock, "sync"):
-            if not self._detached:
-                _all_reduce(self._buckets)
+            _all_reduce(self._detached_buckets if self._detached else self._buckets)
             if self._nodes is not None:
                 _all_reduce([self._nodes])
 
@@ -271,8 +287,8 @@ class CoarseSync(GradSync):
 class FineSync(GradSync):
     """Fine mode: each bucket is summed and stepped while the backward goes on (``_Overlap``).
 
-    ``buckets`` are this rank's buckets in bucket order: their parameters, the sync group they are
-    summed over, and whether their step is offloaded to the CPU (``offload.py``). Each is stepped
+    ``buckets`` are this rank's buckets in bucket order: their parameters and whom they are summed
+    over (``SumOver``), and whether their step is offloaded to the CPU (``offload.py``). Each is stepped
     with the user's ``optimizer`` restricted to it; when the optimizer's parameters change
     (``add_param_group`` while fine-tuning), the steps are built again with the offloaded state
     carried over.
@@ -282,13 +298,13 @@ class FineSync(GradSync):
 
     def __init__(
         self,
-        buckets: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, bool]],
+        buckets: Sequence[tuple[SumOver, bool]],
         optimizer: Optimizer,
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[Sequence[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
     ) -> None:
-        self._buckets = [(list(params), group, offloaded) for params, group, offloaded in buckets]
+        self._buckets = list(buckets)
         self._optimizer = optimizer
         self._replica_group = replica_group
         self._norm = norm
@@ -300,9 +316,9 @@ class FineSync(GradSync):
     def _build(self) -> _Overlap:
         self._layout = param_index(self._optimizer)
         entries = []
-        for params, group, offloaded in self._buckets:
-            step = (OffloadStep if offloaded else DeviceStep)(self._optimizer, params, self._layout)
-            entries.append((params, group, step))
+        for bucket, offloaded in self._buckets:
+            step = (OffloadStep if offloaded else DeviceStep)(self._optimizer, bucket.params, self._layout)
+            entries.append((bucket, step))
         overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite)
         if self._threads is not None:
             overlap.set_threads(self._threads)
@@ -460,18 +476,24 @@ class _Overlap:
 
     def __init__(
         self,
-        entries: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup | None, Any]],
+        entries: Sequence[tuple[SumOver, Any]],
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[list[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
     ) -> None:
-        """``entries`` are this rank's buckets in bucket order: (parameters, sync group, step);
+        """``entries`` are this rank's buckets in bucket order: (whom they are summed over, step);
         ``norm(grads, finite)`` gives the global gradient norm from this rank's gradients (a
         collective), NaN everywhere where any rank passes ``finite=False``."""
-        self._params = [list(params) for params, _, _ in entries]
-        self._sums = [_FlatBucket(params, group) if group is not None and params else None for params, group, _ in entries]
+        self._params = [list(bucket.params) for bucket, _ in entries]
+        self._sums = {
+            detached: [
+                _FlatBucket(b.params, group) if (group := b.without_cpu if detached else b.group) is not None and b.params else None
+                for b, _ in entries
+            ]
+            for detached in (False, True)
+        }
         self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
-        self._steps = [step for _, _, step in entries]
+        self._steps = [step for _, step in entries]
         self._norm = norm
         self._skip_nonfinite = skip_nonfinite
         devices = {p.device for params in self._params for p in params if p.device.type == "cuda"}
@@ -601,8 +623,8 @@ class _Overlap:
 
     def _start_sum(self, k: int, ready: Any) -> Any:
         self._check_finite(k, ready)
-        flat = self._sums[k]
-        if flat is None or self._detached:
+        flat = self._sums[self._detached][k]
+        if flat is None:
             return None
         return dist.all_reduce(flat.pack(ready), group=flat.group, async_op=True)
 
@@ -611,7 +633,7 @@ class _Overlap:
         step = self._steps[k]
         if work is not None:
             work.wait()
-            self._sums[k].unpack(step.gradient_destination)
+            self._sums[self._detached][k].unpack(step.gradient_destination)
         if self._nodes[k] is not None:
             nodes = self._nodes[k]
             dist.all_reduce(nodes.pack(), group=nodes.group)

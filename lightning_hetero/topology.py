@@ -1,8 +1,9 @@
 """Ranks, roles, devices and process groups of a hetero run.
 
-One node is one *hetero group*: ``cpu_workers`` CPU-worker ranks followed by one rank per pipeline
-stage. CPU workers come first so that global rank 0, where Lightning logs and writes checkpoints,
-holds a full replica of the model. Several nodes are data-parallel replicas of each other.
+One node is one *hetero group*: ``cpu_workers`` CPU-worker ranks followed by one rank per device,
+each a pipeline stage or, where the devices hold whole replicas of the model, a replica. CPU
+workers come first so that global rank 0, where Lightning logs and writes checkpoints, holds a
+full replica of the model. Several nodes are data-parallel replicas of each other.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ StagesArg = Union[Literal["auto"], int, Sequence[Union[str, int, torch.device]]]
 
 @dataclass(frozen=True)
 class Role:
-    """What one process does: a CPU worker (full replica) or a pipeline stage (a slice of the layers)."""
+    """What one process does: a CPU worker (a full replica on the CPU), a pipeline stage (a slice of
+    the layers on a device) or a replica (the whole model on a device)."""
 
-    kind: Literal["cpu", "stage"]
+    kind: Literal["cpu", "stage", "replica"]
     index: int
     num_stages: int
+    """Device ranks per node: pipeline stages, or replicas."""
 
     @property
     def is_cpu_worker(self) -> bool:
@@ -61,8 +64,13 @@ class Role:
     def is_last_stage(self) -> bool:
         return self.is_stage and self.index == self.num_stages - 1
 
+    @property
+    def is_first_device(self) -> bool:
+        """The first device rank of its node (its stage 0, or its first replica)."""
+        return not self.is_cpu_worker and self.index == 0
+
     def __str__(self) -> str:
-        return f"cpu{self.index}" if self.is_cpu_worker else f"stage{self.index}"
+        return f"{self.kind}{self.index}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +83,8 @@ class Topology:
     """The device of each pipeline stage, in pipeline order."""
     num_nodes: int = 1
     """Nodes; each holds one hetero group, and the groups are data-parallel replicas."""
+    replicas: bool = False
+    """The devices hold whole replicas of the model instead of pipeline stages."""
 
     @property
     def num_stages(self) -> int:
@@ -100,7 +110,7 @@ class Topology:
     def role(self, local_rank: int) -> Role:
         if local_rank < self.cpu_workers:
             return Role("cpu", local_rank, self.num_stages)
-        return Role("stage", local_rank - self.cpu_workers, self.num_stages)
+        return Role("replica" if self.replicas else "stage", local_rank - self.cpu_workers, self.num_stages)
 
     def cpu_ranks(self, node: int) -> list[int]:
         base = node * self.procs_per_node
@@ -115,7 +125,8 @@ class Topology:
 
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
-        return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} stage(s) [{stages}] x {self.num_nodes} node(s)"
+        kind = "replica(s)" if self.replicas else "stage(s)"
+        return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} {kind} [{stages}] x {self.num_nodes} node(s)"
 
     def check_world_size(self, started: int) -> None:
         """Raise where a launcher started another number of processes than the layout needs."""
@@ -248,6 +259,10 @@ class ProcessGroups:
     with the same local rank on every other node (gloo: gradients travel as CPU buffers).
     ``stage_reports`` joins the stages of a single node with CPU workers and several stages, on
     gloo, for the steps' results where the CPU workers have no share (``results.ReportExchange``).
+
+    Where the devices hold replicas, ``stage`` joins the node's device replicas (on gloo), which sum
+    without the CPU workers when those have no share, and ``sync`` has one group: the node's every
+    rank (every one holds every parameter).
     """
 
     control: dist.ProcessGroup
@@ -275,13 +290,18 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
             if n == node:
                 node_group = group
     stage_group = None
-    sync: list[dist.ProcessGroup | None] = [None] * topology.num_stages
+    sync: list[dist.ProcessGroup | None] = [None] * (1 if topology.replicas else topology.num_stages)
     for n in range(topology.num_nodes):
         ranks = topology.stage_ranks(n)
-        group = dist.new_group(ranks, timeout=timeout, backend=stage_backend)
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo" if topology.replicas else stage_backend)
         if n == node and global_rank in ranks:
             stage_group = group
-    for n in range(topology.num_nodes):
+    for n in range(topology.num_nodes if topology.replicas else 0):
+        ranks = topology.node_ranks(n)
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo") if len(ranks) > 1 else None
+        if n == node:
+            sync[0] = group
+    for n in range(topology.num_nodes if not topology.replicas else 0):
         for s, stage_rank in enumerate(topology.stage_ranks(n)):
             ranks = topology.cpu_ranks(n) + [stage_rank]
             group = dist.new_group(ranks, timeout=timeout, backend="gloo") if len(ranks) > 1 else None
@@ -294,8 +314,8 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
             group = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if global_rank in ranks:
                 replica = group
-    stage_reports = None
-    if topology.num_nodes == 1 and topology.cpu_workers and topology.num_stages > 1:
+    stage_reports = stage_group if topology.replicas and topology.num_stages > 1 else None
+    if not topology.replicas and topology.num_nodes == 1 and topology.cpu_workers and topology.num_stages > 1:
         group = dist.new_group(topology.stage_ranks(0), timeout=timeout, backend="gloo")
         stage_reports = group if global_rank in topology.stage_ranks(0) else None
     return ProcessGroups(

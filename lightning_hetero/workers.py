@@ -49,13 +49,24 @@ from lightning_hetero.sync import (
     FineSync,
     GlobalNorm,
     GradSync,
+    SumOver,
     add_grads,
     make_buckets,
     restore_grads,
     set_grads_aside,
 )
 
-__all__ = ["Placement", "Worker", "CpuWorker", "StageWorker", "SoleStage", "GradPolicy", "ROLES", "check_emulated_speed"]
+__all__ = [
+    "Placement",
+    "Worker",
+    "CpuWorker",
+    "StageWorker",
+    "SoleStage",
+    "DeviceReplica",
+    "GradPolicy",
+    "ROLES",
+    "check_emulated_speed",
+]
 
 GradPolicy = Literal["keep", "drop", "accumulate"]
 
@@ -139,13 +150,21 @@ class Worker:
         CPU workers had no share of its batches."""
         return False
 
-    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
-        """The parameters this rank sums with the CPU workers, per stage, with that stage's group."""
+    def held_stages(self) -> list[int]:
+        """The stages whose parameters this rank holds (a replica's every parameter is stage 0's)."""
         raise NotImplementedError
+
+    def sum_over(self, params: list[nn.Parameter], stage: int) -> SumOver:
+        """Whom this rank sums ``params`` (of ``stage``) with: that stage's sync group."""
+        return SumOver(params, self.placement.sync_groups[stage])
+
+    def sync_buckets(self) -> list[SumOver]:
+        """The parameters this rank sums with others, per stage it holds, and whom with."""
+        return [self.sum_over(self.placement.stage_params(s), s) for s in self.held_stages()]
 
     def owns(self, bucket: Bucket) -> bool:
         """Whether this rank sums and steps ``bucket`` (fine mode)."""
-        raise NotImplementedError
+        return bucket.stage in self.held_stages()
 
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
         """Bring the CPU workers' stale replicas up to date from the stages (a collective)."""
@@ -173,7 +192,7 @@ class Worker:
         params = [[p for layer in place.layers[slice(*b.layers)] for p in layer.parameters()] for b in buckets]
         own = [b for b in buckets if self.owns(b)]
         offloaded = choose_offloaded(offload, buckets, own, params, self.device, control)
-        entries = [(params[b.index], place.sync_groups[b.stage], b.index in offloaded) for b in own]
+        entries = [(self.sum_over(params[b.index], b.stage), b.index in offloaded) for b in own]
         return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite)
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
@@ -270,10 +289,6 @@ class _WholeModel(Worker):
     def _on_device(self, share: Any) -> Any:
         return share if self.device.type == "cpu" else move_data_to_device(share, self.device)
 
-    @override
-    def owns(self, bucket: Bucket) -> bool:
-        return True
-
 
 class CpuWorker(_WholeModel):
     """A full replica on the CPU, running the module's own step methods on its share."""
@@ -298,8 +313,8 @@ class CpuWorker(_WholeModel):
         return detached
 
     @override
-    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
-        return list(zip(self.placement.stage_params_all(), self.placement.sync_groups))
+    def held_stages(self) -> list[int]:
+        return list(range(len(self.placement.bounds)))
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
@@ -329,13 +344,50 @@ class SoleStage(_WholeModel):
         return shares.pipeline_size
 
     @override
-    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
-        return [(self.params, self.placement.sync_groups[0])]
+    def held_stages(self) -> list[int]:
+        return [0]
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
         place = self.placement
         refresh_replicas(False, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+
+
+class DeviceReplica(SoleStage):
+    """The whole model on one of the layout's devices (``parallelism="replicas"``), running the
+    module's own step methods on its part of the devices' share of each batch (``Shares.device_part``):
+    data parallelism across unequal devices, beside the CPU workers' replicas. Every replica sums its
+    gradients with every other; in an optimizer step the CPU workers have no share of, the devices
+    sum among themselves (``devices``)."""
+
+    def __init__(
+        self,
+        module: LightningModule,
+        placement: Placement,
+        device: torch.device,
+        index: int,
+        count: int,
+        devices: Optional[dist.ProcessGroup],
+    ) -> None:
+        super().__init__(module, placement, device)
+        self.index, self.count, self.devices = index, count, devices if count > 1 else None
+        # After the sum every replica holds the whole gradient: the first device's counts for all.
+        self.norm_slot = 0 if index == 0 else None
+
+    @classmethod
+    def place(
+        cls, module: LightningModule, placement: Placement, index: int, *, device: torch.device, group: Any, **rest: Any
+    ) -> DeviceReplica:
+        """Device replica ``index``: the whole model stays, on its device (``group``: the device replicas)."""
+        return cls(module, placement, device, index, len(placement.stage_ranks), group)
+
+    @override
+    def _range(self, shares: Shares) -> tuple[int, int]:
+        return shares.device_part(self.index, self.count)
+
+    @override
+    def sum_over(self, params: list[nn.Parameter], stage: int) -> SumOver:
+        return SumOver(params, self.placement.sync_groups[stage], self.devices)
 
 
 class StageWorker(Worker):
@@ -417,12 +469,8 @@ class StageWorker(Worker):
         return shares.pipeline_size
 
     @override
-    def sync_buckets(self) -> list[tuple[list[nn.Parameter], Optional[dist.ProcessGroup]]]:
-        return [(self.params, self.placement.sync_groups[self.pipeline.stage_index])]
-
-    @override
-    def owns(self, bucket: Bucket) -> bool:
-        return bucket.stage == self.pipeline.stage_index
+    def held_stages(self) -> list[int]:
+        return [self.pipeline.stage_index]
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
@@ -498,7 +546,7 @@ def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> 
         )
 
 
-ROLES: dict[str, type[CpuWorker] | type[StageWorker]] = {"cpu": CpuWorker, "stage": StageWorker}
+ROLES: dict[str, Any] = {"cpu": CpuWorker, "stage": StageWorker, "replica": DeviceReplica}
 """Each ``topology.Role.kind``'s class."""
 
 

@@ -168,3 +168,135 @@ class FinetunedNet(Net):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+class TwoPass(L.LightningModule):
+    """A LightningModule as people write them, with no blocks: its step calls the model twice and
+    adds an auxiliary loss, and it logs more than its loss."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        aux = self.head(self(0.5 * x)).pow(2).mean()
+        loss = nn.functional.mse_loss(out, y) + 0.1 * aux
+        self.log("train_loss", loss)
+        self.log("aux", aux, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Captioned(TwoPass):
+    """Batches are dicts with a caption per sample; the loss weighs each sample by its caption."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        weights = torch.tensor([len(c) for c in batch["captions"]], dtype=batch["x"].dtype)
+        per_sample = (self(batch["x"]) - batch["y"]).pow(2).mean(dim=1)
+        loss = (per_sample * weights).mean() * batch["scale"]
+        self.log("train_loss", loss)
+        return loss
+
+
+class CaptionedData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 44, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "caption": "a" * (1 + i % 5)}
+
+
+def captioned_data(n: int = 44, batch_size: int = 12) -> DataLoader:
+    """Dict batches: tensors, a caption per sample (a list of strings), and a per-batch number."""
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "x": torch.stack([i["x"] for i in items]),
+            "y": torch.stack([i["y"] for i in items]),
+            "captions": [i["caption"] for i in items],
+            "scale": 0.5,
+        }
+
+    return DataLoader(CaptionedData(n), batch_size=batch_size, collate_fn=collate)
+
+
+class TinyGPT2(L.LightningModule):
+    """A Hugging Face GPT-2 built from a config (no download), trained through its own loss on dict
+    batches, its input and output embeddings tied."""
+
+    def __init__(self, vocab: int = 64, context: int = 8) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=vocab, n_positions=context, n_embd=16, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        )
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def token_data(n: int = 44, batch_size: int = 12, vocab: int = 64, context: int = 8) -> DataLoader:
+    """Dict batches of token windows, as a tokenizer's collator makes them."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (n, context), generator=g)
+    items = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    return DataLoader(items, batch_size=batch_size)
+
+
+def demo_transformer(vocab: int = 50) -> L.LightningModule:
+    """Lightning's own demo transformer as it ships, its dropout off (for exact equivalence) and its
+    dataset's download skipped (the tests bring their own tokens)."""
+    from lightning.pytorch.demos.transformer import LightningTransformer
+
+    class Demo(LightningTransformer):
+        def prepare_data(self) -> None:
+            pass
+
+    torch.manual_seed(0)
+    model = Demo(vocab_size=vocab)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0  # the attention's own dropout, a number rather than a module
+    return model
+
+
+def demo_data(n: int = 8, vocab: int = 50, block: int = 12) -> DataLoader:
+    """Token blocks shaped as the demo's own dataset gives them, one per batch as its loader does (its
+    `nn.Transformer` is not batch-first: a batch's first dimension is the sequence, so the samples of
+    a batch attend to each other and cannot be split between workers)."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, vocab, (n, block + 1), generator=g)
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=1)

@@ -39,6 +39,12 @@ class NoContract(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class NormedNoContract(NoContract):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+
+
 class NoLoss(PipelineModule, L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -132,7 +138,15 @@ class Bad:
 
 CASES = {
     # The model contract.
-    "no-layers": Bad(lambda _: fit(NoContract()), "does not follow the hetero model contract: it has no `pipeline_layers()`"),
+    # (A model without blocks trains as replicas: tests/test_replicas.py. Asked for a pipeline, it is refused.)
+    "no-layers": Bad(
+        lambda _: fit(NoContract(), hetero(cpu_fraction=0.5, parallelism="pipeline")),
+        "does not follow the hetero model contract: it has no `pipeline_layers()`",
+    ),
+    "unknown-parallelism": Bad(lambda _: HeteroStrategy(parallelism="tensor"), "`parallelism='tensor'` must be 'auto'"),
+    "batchnorm-in-replicas": Bad(
+        lambda _: fit(NormedNoContract()), "contains BatchNorm1d with running statistics, which the hetero strategy"
+    ),
     "no-loss": Bad(lambda _: fit(NoLoss()), "it has no `pipeline_loss()`"),
     "foreign-layer": Bad(lambda _: fit(Variant("foreign")), "is not a submodule of the model"),
     "orphan-parameter": Bad(lambda _: fit(Variant("orphan")), "trainable parameters outside `pipeline_layers()`: extra"),

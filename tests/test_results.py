@@ -85,6 +85,7 @@ def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
         one_way = step != 1
         mine = WorkerReport() if one_way and rank < cpu_workers else _sent(rank, step)
         seen.append(share(mine, one_way=one_way))
+    share.flush()  # the last step's reports delivered before the groups go
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     dist.destroy_process_group()
 

@@ -135,9 +135,14 @@ class WorkloadAnalyzer(L.Callback):
         """Have a fit's layout planned by ``plan_layout`` when the strategy is about to cut the model
         (after the module's own ``setup`` and ``configure_model``, in the run's precision)."""
         strategy = hetero_strategy(trainer)
-        if strategy is not None and stage == TrainerFn.FITTING:
-            self._planned = False
-            strategy.plan_with(self.plan_layout)
+        if strategy is None or stage != TrainerFn.FITTING:
+            return
+        self._planned = False
+        if strategy.plan.parallelism == "replicas":
+            rank_zero_warn("WorkloadAnalyzer plans pipelines of blocks; this run trains replicas, as its layout sets.")
+            self._planned = True  # nothing to plan
+            return
+        strategy.plan_with(self.plan_layout)
 
     def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
         """Profile on every rank, plan on rank 0, and return the plan on every rank (collective)."""
@@ -358,6 +363,7 @@ class WorkloadAnalyzer(L.Callback):
             max_micro_batches=self.max_micro_batches,
             bucket_size_mb=strategy.plan.bucket_size_mb,
         )
+        plan.parallelism = strategy.plan.parallelism  # the analyzer plans pipelines
         cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
         workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
         if workers:

@@ -261,10 +261,10 @@ class UtilizationMonitor(L.Callback):
             for key, value in {**values, **stats}.items():
                 metrics[f"util/{names[rank]}/{key}"] = value
         seconds = sum(r.total for r in records)
-        if seconds > 0:  # each sample once: the CPU workers' shares and the first stage's per node
+        if seconds > 0:  # each sample once: the CPU workers' shares and the first device's per node
             topology = strategy.topology
             roles = [topology.role(rank % topology.procs_per_node) for rank in range(len(gathered))]
-            counted = [samples for role, (_, _, samples) in zip(roles, gathered) if role.is_cpu_worker or role.is_first_stage]
+            counted = [samples for role, (_, _, samples) in zip(roles, gathered) if role.is_cpu_worker or role.is_first_device]
             metrics["throughput/samples_per_s"] = sum(counted) / seconds
         self.last = metrics
         for logger in trainer.loggers:

@@ -99,7 +99,7 @@ def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optio
         batches = max(s["batches"] for s in step)
         cpus = [s for s in step if s["role"].startswith("cpu")]
         stages = [s for s in step if not s["role"].startswith("cpu")]
-        nodes = max(1, sum(s["role"] == "stage0" for s in stages))  # one hetero group per node
+        nodes = max(1, sum(s["role"] in ("stage0", "replica0") for s in stages))  # one hetero group per node
         pipeline = max((s["samples"] for s in stages), default=0.0)
         sizes.append(round((sum(s["samples"] for s in cpus) / nodes + pipeline) / batches))
         cpu_time = max((s["share"] for s in cpus), default=0.0)

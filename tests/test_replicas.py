@@ -1,0 +1,155 @@
+"""Replicas: a LightningModule as people write it, with no blocks, trains with the hetero strategy as
+it is. Every device holds the whole model and runs its own `training_step` on its part of every
+batch, beside the CPU workers; the model is the one a single process trains (float64, 1e-10).
+
+"Devices" here are emulated on CPU processes (`stages=["cpu", "cpu"]`), as everywhere in the suite.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+from lightning_hetero import HeteroStrategy
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.models import (
+    Captioned,
+    TinyGPT2,
+    TwoPass,
+    captioned_data,
+    column,
+    demo_data,
+    demo_transformer,
+    read_metrics,
+    regression_data,
+    token_data,
+)
+
+TOL = 1e-10
+STEPS = 8
+
+
+def assert_same_run(
+    tmp_path: Path,
+    strategy: Any,
+    model: Callable[[], L.LightningModule] = TwoPass,
+    data: Callable[[], Any] = regression_data,
+    key: str = "train_loss",
+    loss_tol: float = TOL,
+    callbacks: list | None = None,
+    **trainer_kwargs: Any,
+) -> None:
+    """Plain and hetero give the same parameters and losses, and every rank's copy of every
+    parameter is identical after every step."""
+
+    def fit(strategy: Any, log_dir: Path, more: list) -> tuple[L.LightningModule, list]:
+        m = model()
+        extra = [LearningRateMonitor("step"), *(callbacks or []), *more]
+        t = trainer(strategy, log_dir, max_steps=STEPS, callbacks=extra, **trainer_kwargs)
+        t.fit(m, data())
+        return m, read_metrics(log_dir)
+
+    ref, ref_rows = fit(None, tmp_path / "plain", [])
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    het, het_rows = fit(strategy, tmp_path / "hetero", [RecordCopies(copies)])
+    assert_copies_identical(copies)
+    assert max_param_diff(ref, het) < TOL
+    ref_values, het_values = column(ref_rows, key), column(het_rows, key)
+    assert ref_values and [s for s, _ in ref_values] == [s for s, _ in het_values]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(ref_values, het_values)) < loss_tol
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_module_without_blocks_trains_as_replicas(tmp_path: Path, cpu_fraction: float, devices: int, mode: str) -> None:
+    strategy = hetero(stages=["cpu"] * devices, cpu_fraction=cpu_fraction, mode=mode)
+    assert_same_run(tmp_path, strategy)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(cpu_workers=0, stages=["cpu", "cpu"]),
+        dict(cpu_workers=2, stages=["cpu"], cpu_fraction=0.5),
+        dict(mode="fine", offload="all", bucket_size_mb=0.0002, cpu_fraction=0.5),
+    ],
+    ids=["devices-only", "two-cpu-workers", "fine-offloaded-buckets"],
+)
+def test_replica_layouts(tmp_path: Path, layout: dict) -> None:
+    assert_same_run(tmp_path, hetero(**layout))
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_replicas_accumulate_and_clip_as_one_process(tmp_path: Path, mode: str) -> None:
+    strategy = hetero(cpu_fraction=0.5, mode=mode)
+    assert_same_run(tmp_path, strategy, accumulate_grad_batches=3, gradient_clip_val=0.05)
+
+
+def test_a_batch_with_a_caption_per_sample(tmp_path: Path) -> None:
+    """Dict batches holding a list of strings with one per sample, and a per-batch number."""
+    assert_same_run(tmp_path, hetero(cpu_fraction=0.5), Captioned, captioned_data)
+
+
+def test_a_hugging_face_causal_lm_through_its_own_loss(tmp_path: Path) -> None:
+    """GPT-2 from a config, dict batches, `model(**batch).loss`, input and output embeddings tied.
+    (Its loss function computes in float32 whatever the model's precision, so the loss it logs is
+    the same to float32's precision; the parameters to float64's.)"""
+    assert_same_run(tmp_path, hetero(cpu_fraction=0.5), TinyGPT2, token_data, loss_tol=1e-6)
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 1.0])
+def test_lightnings_demo_transformer_as_it_ships(tmp_path: Path, cpu_fraction: float) -> None:
+    """Each of its batches is one sequence (its loader's), which a worker takes whole: the device's
+    replica, or the CPU worker's."""
+    assert_same_run(tmp_path, hetero(cpu_fraction=cpu_fraction), demo_transformer, demo_data, key="lr-SGD")
+
+
+def test_a_model_with_blocks_can_be_trained_as_replicas(tmp_path: Path) -> None:
+    from tests.models import Net
+
+    strategy = hetero(cpu_fraction=0.5, parallelism="replicas")
+    assert_same_run(tmp_path, strategy, Net)
+
+
+def test_the_layout_says_what_the_devices_hold() -> None:
+    strategy = HeteroStrategy(stages=["cpu", "cpu"])
+    strategy.check_model(TwoPass())
+    assert strategy.plan.parallelism == "replicas" and strategy.device_names == ["cpu0", "replica0", "replica1"]
+    assert strategy.topology.describe() == "1 CPU worker(s) + 2 replica(s) [cpu, cpu] x 1 node(s)"
+    assert strategy.micro_batches == 1  # nothing to pipeline
+
+
+def test_validation_and_predictions_from_every_replica(tmp_path: Path) -> None:
+    model = TwoPass()
+    t = trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=4, limit_val_batches=2, val_check_interval=2)
+    t.fit(model, regression_data(), regression_data(n=24, seed=5))
+    assert "val_loss" in t.callback_metrics
+    predicted = t.predict(model, regression_data(n=25, batch_size=6, seed=4))
+    assert sum(len(p) for p in predicted) == 25
+    reference = torch.cat([model(x.double()) for x, _ in regression_data(n=25, batch_size=6, seed=4)])
+    assert torch.allclose(torch.cat(predicted), reference.detach(), atol=1e-6)
+
+
+class Toggle(L.Callback):
+    """Moves the CPU fraction every step, alike on every rank: the CPU workers keep out of some steps
+    and are brought up to date from the first device's replica before they compute again."""
+
+    FRACTIONS = (0.0, 0.0, 0.5, 1.0, 0.0, 0.3)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if isinstance(trainer.strategy, HeteroStrategy):
+            trainer.strategy.set_cpu_fraction(self.FRACTIONS[trainer.global_step % len(self.FRACTIONS)])
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_replicas_follow_a_moving_cpu_fraction(tmp_path: Path, mode: str, devices: int) -> None:
+    strategy = hetero(stages=["cpu"] * devices, cpu_fraction=0.5, mode=mode)
+    assert_same_run(tmp_path, strategy, callbacks=[Toggle()], accumulate_grad_batches=2)
