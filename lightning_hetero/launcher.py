@@ -58,6 +58,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
+from lightning_hetero.topology import RanksGone
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -244,21 +245,27 @@ class _Script(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if self.cluster_environment.creates_processes_externally:  # a process this launch started
-            _set_num_threads_if_needed(num_processes=self.num_processes)
-            return function(*args, **kwargs)
-        self._call_children_scripts()
+        if not self.procs:  # the first trainer call (later ones run in the same processes)
+            if self.cluster_environment.creates_processes_externally:  # a process a launch started
+                _set_num_threads_if_needed(num_processes=self.num_processes)
+                return function(*args, **kwargs)
+            self._call_children_scripts()
         watch = _ChildWatch(self.procs, self._strategy)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as error:
             watch.stop()
-            for note in watch.failures():
+            for note in watch.failures() if not isinstance(error, RanksGone) else []:  # it names them
                 error.add_note(note)
             raise
         finally:
             watch.close()
+
+    def gone(self) -> Optional[str]:
+        """Which of the processes this one started have ended, for an error; ``None`` while all run."""
+        ended = [(rank, p.returncode) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
+        return "; ".join(f"{self._strategy.rank_name(rank)} {describe_exit(code)}" for rank, code in ended) or None
 
 
 class _ChildWatch:
@@ -364,6 +371,10 @@ class HeteroLauncher(_Launcher):
         if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":
             return results
         return torch.load(io.BytesIO(results), weights_only=False)  # written by our own rank 0 above
+
+    def ranks_gone(self) -> Optional[str]:
+        """Which of the ranks this process started have ended (popen; ``None`` otherwise or while all run)."""
+        return self._launcher.gone() if isinstance(self._launcher, _Script) else None
 
     @override
     def kill(self, signum: _SIGNUM) -> None:

@@ -31,6 +31,8 @@ __all__ = [
     "gather_module_state",
     "gather_optimizer_state",
     "move_materialized",
+    "drop_to_meta",
+    "fill_from_peers",
     "with_offloaded_state",
     "load_with_offloaded_state",
 ]
@@ -39,6 +41,41 @@ __all__ = [
 def move_materialized(module: nn.Module, device: torch.device) -> None:
     """Move every tensor of ``module`` that is not on the meta device to ``device``."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has (shared ones more than once)."""
+    params = module.named_parameters(remove_duplicate=False)
+    return [*params, *module.named_buffers(remove_duplicate=False)]
+
+
+def drop_to_meta(layers: Sequence[nn.Module]) -> None:
+    """Move ``layers`` to the meta device (shapes only, no memory): another rank holds their values."""
+    for layer in layers:
+        layer.to("meta")
+
+
+def fill_from_peers(module: nn.Module, send: bool, group: dist.ProcessGroup) -> None:
+    """Give every tensor of ``module`` on the meta device the value a peer holds (a collective over
+    ``group``; the ranks with ``send`` share their materialized tensors): after it, every rank holds
+    the whole model, the filled tensors on the CPU. A tensor under several names (tied weights)
+    stays one tensor."""
+    mine = {name: t.detach().cpu() for name, t in _tensors(module) if send and not t.is_meta}
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    values = {name: value for part in parts for name, value in part.items()}
+    filled: dict[int, torch.Tensor] = {}
+    for name, tensor in _tensors(module):
+        if not tensor.is_meta or name not in values and id(tensor) not in filled:
+            continue
+        if id(tensor) not in filled:
+            value = values[name].to(tensor.dtype)
+            is_param = isinstance(tensor, nn.Parameter)
+            filled[id(tensor)] = nn.Parameter(value, requires_grad=tensor.requires_grad) if is_param else value
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        table = sub._parameters if leaf in sub._parameters else sub._buffers
+        table[leaf] = filled[id(tensor)]
 
 
 def gather_module_state(module: nn.Module, group: dist.ProcessGroup) -> dict[str, Any]:

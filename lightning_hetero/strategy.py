@@ -36,7 +36,7 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -346,7 +346,8 @@ class HeteroStrategy(ParallelStrategy):
         self._plan = self._plan.for_model(self.lightning_module)  # the groups differ by parallelism
         self.topology.check_world_size(self.world_size)
         name = self.rank_name(self.local_rank)
-        self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name)
+        gone = self.launcher.ranks_gone if isinstance(self.launcher, HeteroLauncher) else None
+        self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone)
         log.debug("hetero: %s joined its process groups", name)
         self._set_threads()
         self.precision_plugin.use_device(self.root_device)
@@ -361,6 +362,7 @@ class HeteroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self._engine = self._engine or self._place(module)
+        self._engine.worker.on_setup()
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
@@ -619,16 +621,7 @@ class HeteroStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        # Rank 0 must hold the whole trained model (the launcher hands its weights back): bring a
-        # stale CPU worker up to date; without a CPU worker, rank 0 is stage 0: gather the model there.
-        self._refresh_replicas()
-        if self._rank_zero_has_everything:
-            return
-        module = self.lightning_module
-        full = gather_module_state(module, self._control)
-        if self.global_rank == 0:
-            module.load_state_dict(full, assign=True)
-            move_materialized(module, self.root_device)
+        self._refresh_replicas()  # a CPU worker that kept out of the last steps is brought up to date
 
     # ----------------------------------------------------------------- failures
 
@@ -651,6 +644,10 @@ class HeteroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.close()
+            trainer = self.lightning_module.trainer
+            if trainer.state.status == TrainerStatus.RUNNING:  # not after a failure (`_interrupt`)
+                # Code after the trainer call reads the whole model on every rank, as under DDP.
+                self._engine.worker.share_model(self._groups.node)
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_materialized(self.lightning_module, torch.device("cpu"))

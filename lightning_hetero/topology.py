@@ -9,11 +9,13 @@ full replica of the model. Several nodes are data-parallel replicas of each othe
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -331,9 +333,17 @@ def gather_object_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] 
     return parts
 
 
-def connect(environment: Any, topology: Topology, global_rank: int, timeout: timedelta, rank_name: str) -> ProcessGroups:
+def connect(
+    environment: Any,
+    topology: Topology,
+    global_rank: int,
+    timeout: timedelta,
+    rank_name: str,
+    gone: Optional[Callable[[], Optional[str]]] = None,
+) -> ProcessGroups:
     """Join the run's default process group (in the store of a torchrun restart where there is one,
-    ``restart_store``) and build every group (collective). ``rank_name``: this process, for errors."""
+    ``restart_store``), wait for every rank (``gone``: see ``_all_arrive``) and build every group
+    (collective). ``rank_name``: this process, for errors."""
     store = restart_store(timeout)
     try:
         _init_dist_connection(
@@ -349,7 +359,43 @@ def connect(environment: Any, topology: Topology, global_rank: int, timeout: tim
         raise
     atexit.unregister(destroy_process_groups)
     atexit.register(destroy_process_groups)
+    _all_arrive(topology.world_size, timeout, gone)
     return build_process_groups(topology, global_rank, timeout)
+
+
+class RanksGone(RuntimeError):
+    """A trainer call found ranks of the run ended since the previous one (``connect``)."""
+
+
+_CALLS = itertools.count()
+"""Trainer calls this process has connected for (every rank makes the same calls)."""
+
+
+def _all_arrive(world_size: int, timeout: timedelta, gone: Optional[Callable[[], Optional[str]]]) -> None:
+    """Wait until every rank has reached this trainer call, in the default group's store. Where
+    ``gone`` says which ranks have ended (the processes this one started), waiting stops as soon as
+    it names one: a rank that left the script after the previous call fails this one at its start,
+    instead of leaving the others in a collective until the timeout."""
+    call = next(_CALLS)
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(f"hetero/arrived/{call}", 1) == world_size:
+        store.set(f"hetero/all_arrived/{call}", "1")
+    deadline = time.monotonic() + timeout.total_seconds()
+    poll = timedelta(seconds=0.2) if gone is not None else timeout
+    while True:
+        try:
+            store.wait([f"hetero/all_arrived/{call}"], poll)
+            return
+        except dist.DistStoreError:
+            ended = gone() if gone is not None else None
+            if ended:
+                raise RanksGone(
+                    f"[hetero] This trainer call needs every rank, but since the previous one {ended}. Every rank"
+                    " runs the script's trainer calls, as with DDP: code between them that may fail or end on one"
+                    " rank belongs under `if trainer.is_global_zero:`. The other ranks were stopped."
+                ) from None
+            if time.monotonic() > deadline:
+                raise
 
 
 def destroy_process_groups() -> None:

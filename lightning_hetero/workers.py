@@ -42,7 +42,7 @@ from lightning_hetero.pipeline import Pipeline, StageModule
 from lightning_hetero.record import span
 from lightning_hetero.results import LogCapture, WorkerReport
 from lightning_hetero.shares import Shares, slice_batch
-from lightning_hetero.state import refresh_replicas
+from lightning_hetero.state import drop_to_meta, fill_from_peers, refresh_replicas
 from lightning_hetero.sync import (
     Bucket,
     CoarseSync,
@@ -198,6 +198,16 @@ class Worker:
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         """Take this rank's part of a checkpoint's ``state_dict``."""
         self.module.load_state_dict(state_dict, strict=strict)
+
+    def on_setup(self) -> None:
+        """At the start of every trainer call, after the placement (made by the first, kept by the others)."""
+
+    def share_model(self, group: dist.ProcessGroup) -> None:
+        """After a trainer call, make this rank's module the whole model, as every rank's is under DDP
+        (a collective over the node's ranks, where the model is cut into stages): the stages share
+        their slices, and every rank fills in what it lacks (on the CPU)."""
+        if len(self.placement.bounds) > 1:
+            fill_from_peers(self.module, send=isinstance(self, StageWorker), group=group)
 
     def note(self) -> str:
         """What an error message should know about a failure on this rank."""
@@ -413,14 +423,10 @@ class StageWorker(Worker):
         schedule: type,
     ) -> Worker:
         """Stage ``index``: its blocks stay (they go to its device with the module), the others go to
-        the meta device (shapes only), so nothing can use their stale values. A pipeline of one stage
-        is a ``SoleStage``."""
+        the meta device (``on_setup``). A pipeline of one stage is a ``SoleStage``."""
         if len(placement.bounds) == 1:
             return SoleStage(module, placement, device)
         start, stop = placement.bounds[index]
-        for i, layer in enumerate(placement.layers):
-            if not start <= i < stop:
-                layer.to("meta")
         pipeline = Pipeline(
             module=StageModule(placement.layers[start:stop]),
             stage_index=index,
@@ -431,6 +437,13 @@ class StageWorker(Worker):
             loss_fn=module.pipeline_loss,
         )
         return cls(module, placement, pipeline)
+
+    @override
+    def on_setup(self) -> None:
+        # The other stages' layers go to the meta device (shapes only), so nothing can use their
+        # values here, which would go stale as the stages train (`share_model` filled them in).
+        start, stop = self.placement.bounds[self.pipeline.stage_index]
+        drop_to_meta(self.placement.layers[:start] + self.placement.layers[stop:])
 
     @override
     def expected_grads(self, shares: Shares) -> int:

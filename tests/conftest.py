@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import psutil
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -119,3 +120,10 @@ class Fault(L.Callback):
         if self.how == "hang":
             signal.pause()  # woken only by a signal: the launcher's kill
         raise RuntimeError("injected fault")
+
+
+def worker_processes() -> list[psutil.Process]:
+    """This process's children, but for multiprocessing's own helpers (a forkserver, a resource
+    tracker) that an earlier test in this session may have started, which live as long as it."""
+    helpers = ("forkserver", "resource_tracker")
+    return [p for p in psutil.Process().children(recursive=True) if not any(h in " ".join(p.cmdline()) for h in helpers)]

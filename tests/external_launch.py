@@ -7,7 +7,8 @@ strategy's own "popen" launch (which runs this script again for every other rank
         [--fault RANK:STEP:HOW] [--resume CKPT_DIR] [--analyzer]
 
 Rank 0 writes OUT_DIR/state.pt (the trained weights) and OUT_DIR/environment.txt; every rank
-writes OUT_DIR/rank{N}.pt with the parameters it holds. `--unseeded` builds the model without a
+writes OUT_DIR/rank{N}.pt with the model it holds after fit and OUT_DIR/output{N}.pt with the
+model's outputs on 5 samples, computed there after fit. `--unseeded` builds the model without a
 seed, so every process starts from different weights unless the strategy aligns them.
 `--string` uses plain `Trainer(strategy="hetero")` with all its defaults. With `--num-nodes 2`
 (under torchrun) it trains 6 steps on 48 samples, then predicts 25 samples and rank 0 writes
@@ -20,6 +21,7 @@ into DIR at every epoch's last batch (4 steps) with `save_last=True` and fits wi
 run (torchrun's `--max-restarts`) continues from the last checkpoint; rank 0 writes torchrun's
 restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays the model out in
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
+`--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit.
 """
 
 import argparse
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--fault", help="RANK:STEP:HOW, e.g. 2:6:kill")
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
+    parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
     args = parser.parse_args()
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
     model = Net(seed=None if args.unseeded else 0).to(torch.float64 if args.resume else torch.float32)
@@ -83,12 +86,19 @@ def main() -> None:
     t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48), ckpt_path="last" if args.resume else None)
     if args.resume and t.global_rank == 0:
         (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    held = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
+    if t.global_rank == args.exit_after_fit:
+        sys.exit(3)
+    # Code after fit reads the whole trained model on every rank, as under DDP.
+    held = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = regression_data(n=5, seed=5).dataset.tensors[0].to(next(model.parameters()).dtype)
+    with torch.no_grad():
+        torch.save(model(inputs), args.out_dir / f"output{t.global_rank}.pt")
     t.validate(model, regression_data(n=20, seed=3), verbose=False)
     predicted = t.predict(model, regression_data(n=25, batch_size=6, seed=4))
+    assert not any(v.is_meta for v in model.state_dict().values()), "a trainer call left part of the model on meta"
     torch.save(held, args.out_dir / f"rank{t.global_rank}.pt")
     if t.global_rank == 0:
-        torch.save({k: held[k] for k in model.state_dict()}, args.out_dir / "state.pt")
+        torch.save(held, args.out_dir / "state.pt")
         (args.out_dir / "environment.txt").write_text(type(t.strategy.cluster_environment).__name__)
         (args.out_dir / "predicted.txt").write_text(str(sum(len(p) for p in predicted)))
 

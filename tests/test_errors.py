@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import lightning as L
 import numpy as np
-import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import HeteroPlan, HeteroStrategy, PipelineModule
 from lightning_hetero.data import peek_batch
-from tests.conftest import hetero, trainer
+from tests.conftest import hetero, trainer, worker_processes
 from tests.models import Net, regression_data
 
 
@@ -254,7 +253,7 @@ def test_bad_input_gets_its_own_clear_error(case: Bad, tmp_path: Path, monkeypat
     if case.in_run:
         assert re.search(r"global rank \d \((cpu|stage)\d of 1 CPU worker\(s\) \+ 2 stage\(s\)", text)
         assert case.rank in text
-    assert psutil.Process().children(recursive=True) == [], "a worker process was left running"
+    assert worker_processes() == [], "a worker process was left running"
 
 
 class LazyFile(torch.utils.data.Dataset):

@@ -22,7 +22,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from lightning_hetero import files
 from lightning_hetero.launcher import GRACE_S
-from tests.conftest import Fault, hetero, max_param_diff, trainer
+from tests.conftest import Fault, hetero, max_param_diff, trainer, worker_processes
 from tests.models import Net, regression_data
 from tests.test_launchers import SCRIPT, clean_env, torchrun_nodes
 
@@ -62,7 +62,7 @@ def failed_run(ckpt_dir: Path, **kwargs: Any) -> tuple[str, float]:
     with pytest.raises(ProcessException) as error:
         fit(ckpt_dir, **kwargs)
     elapsed = time.monotonic() - start
-    assert psutil.Process().children(recursive=True) == [], "a worker process was left running"
+    assert worker_processes() == [], "a worker process was left running"
     return "\n".join([str(error.value), *getattr(error.value, "__notes__", [])]), elapsed
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
 
 TOL = 1e-10
@@ -114,6 +115,17 @@ def test_external_processes(tmp_path: Path, reference: dict, launch, environment
     launch(tmp_path)
     assert (tmp_path / "environment.txt").read_text() == environment
     assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+    assert_every_rank_holds_the_model(tmp_path, ranks=3)
+
+
+def assert_every_rank_holds_the_model(out: Path, ranks: int) -> None:
+    """After fit, every rank's module was the whole trained model, and computed with it."""
+    held = [torch.load(out / f"rank{r}.pt") for r in range(ranks)]
+    outputs = [torch.load(out / f"output{r}.pt") for r in range(ranks)]
+    for rank in range(1, ranks):
+        assert set(held[rank]) == set(held[0])
+        assert max_param_diff(held[0], held[rank]) == 0
+        assert torch.equal(outputs[rank], outputs[0])
 
 
 @pytest.mark.parametrize("mode", ["coarse", "fine"])
@@ -126,9 +138,7 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str) -> None
     script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", *(["--fine"] if mode == "fine" else [])]
     assert torchrun_nodes(script) == [0, 0]
     assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
-    held = [torch.load(tmp_path / f"rank{r}.pt") for r in range(6)]
-    for rank in held[1:]:
-        assert max_param_diff({k: held[0][k] for k in rank}, rank) == 0  # every copy on both nodes
+    assert_every_rank_holds_the_model(tmp_path, ranks=6)  # on both nodes
     assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
 
 
@@ -142,7 +152,15 @@ def test_a_fit_after_a_validate_in_the_same_processes_keeps_their_layout(tmp_pat
 def test_processes_that_build_their_own_model_start_from_rank_zero(tmp_path: Path) -> None:
     """With no seed, each process initializes differently; the strategy must align them first."""
     popen(tmp_path, "--unseeded")
-    held = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
-    assert set(held[1]) | set(held[2]) == set(held[0])  # the stages hold the model between them
-    for stage in held[1:]:
-        assert max_param_diff({k: held[0][k] for k in stage}, stage) == 0
+    assert_every_rank_holds_the_model(tmp_path, ranks=3)
+
+
+def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Path) -> None:
+    """popen: a rank that left the script after one fit fails the next trainer call at its start,
+    naming the rank, instead of leaving rank 0 in a collective until the timeout."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--exit-after-fit=2"]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "since the previous one global rank 2 (stage1" in done.stderr and "exited with code 3." in done.stderr
+    assert time.perf_counter() - started < TIMEOUT

@@ -133,7 +133,7 @@ def test_the_grid_holds_every_equal_cut(batch: int, micro: int) -> None:
 
 def test_a_batch_smaller_than_the_micro_batches_does_not_break_it() -> None:
     balancer = Balancer(4)
-    decision = balancer.start(0.0)
+    balancer.start(0.0)
     window = Window(0.0, 3, 5, 0.01, None, 0.003, 0.0, 0.001)
     assert balancer.decide(window).fraction == 1.0  # the CPU is the only way to share such a batch
 
