@@ -6,7 +6,9 @@ Three ways to train each recipe's model on this machine, alternating in one run:
 - Lightning's ``strategy="ddp"`` on the CPU, one process per core, each with its part of the batch
   (the same global batch);
 - ``strategy="hetero"`` as the recipe's default config lays it out: 1 CPU worker + 2 emulated
-  stages, with the config's CPU fraction.
+  stages, with the config's CPU fraction; for a model without blocks (a Hugging Face GPT-2, the
+  causal LM recipe's), replicas: 1 CPU worker + 1 emulated device, half of each batch each, which
+  is DDP's split on the same two processes (what hetero costs over DDP where the devices are equal).
 
 Reported: samples per second of hetero over each of the others. With no GPU, hetero's stages are
 processes on the same cores, so this compares three ways of sharing two cores, not hetero's
@@ -33,22 +35,38 @@ from lightning_hetero import HeteroStrategy
 DEFAULTS = dict(steps=30, repeats=2)
 
 
-def recipes(steps: int, smoke: bool) -> list[tuple[str, Callable[[], L.LightningModule], int, Callable[[int], DataLoader], float]]:
-    """(name, model, batch size, loader of a given batch size, the config's CPU fraction)."""
+def recipes(steps: int, smoke: bool) -> list[tuple[str, Callable[[], L.LightningModule], int, Callable[[int], DataLoader], dict]]:
+    """(name, model, batch size, loader of a given batch size, the hetero layout of the recipe's config)."""
+    from recipes.causal_lm import CausalLM, lm_batch
     from recipes.gpt import GPT
     from recipes.mlp import DigitsMLP
 
     gpt = (lambda: GPT(width=32, heads=2, layers=2)) if smoke else (lambda: GPT())
+    size = dict(n_embd=32, n_layer=1, n_head=2) if smoke else dict(n_embd=128, n_layer=4, n_head=4)
+    config = dict(vocab_size=2000, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **size)
+
+    def lm_loader(batch: int) -> DataLoader:
+        windows = token_loader(batch * steps, batch).dataset
+        return DataLoader(windows, batch_size=batch, collate_fn=lm_batch, drop_last=True)
+
+    pipeline = dict(stages=["cpu", "cpu"])
     return [
-        ("MLP recipe (digits)", DigitsMLP, 100, lambda b: digits_loader(b * steps, b), 0.3),
-        ("GPT recipe (small)", gpt, 32, lambda b: token_loader(b * steps, b), 0.25),
+        ("MLP recipe (digits)", DigitsMLP, 100, lambda b: digits_loader(b * steps, b), dict(pipeline, cpu_fraction=0.3)),
+        ("GPT recipe (small)", gpt, 32, lambda b: token_loader(b * steps, b), dict(pipeline, cpu_fraction=0.25)),
+        (
+            "HF GPT-2, replicas",
+            lambda: CausalLM(config=config),
+            32,
+            lm_loader,
+            dict(stages=["cpu"], parallelism="replicas", cpu_fraction=0.5),
+        ),
     ]
 
 
 def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict]:
     cores = torch.get_num_threads()
     results = []
-    for name, model, batch, loader, fraction in recipes(steps, smoke):
+    for name, model, batch, loader, layout in recipes(steps, smoke):
         # forkserver: the workers must not fork from this process, which runs torch with threads.
         configs = {
             "plain": lambda: step_times(None, model(), loader(batch), steps),
@@ -61,7 +79,7 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict]:
                 devices=cores,
             ),
             "hetero": lambda: step_times(
-                HeteroStrategy(stages=["cpu", "cpu"], cpu_fraction=fraction, start_method="forkserver"),
+                HeteroStrategy(**layout, start_method="forkserver"),
                 model(),
                 loader(batch),
                 steps,

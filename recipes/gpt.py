@@ -22,7 +22,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_hetero import PipelineModule
 from lightning_hetero.cli import HeteroCLI
-from recipes.text import TokenWindows, load_text, tokenize, unigram_loss
+from recipes.text import TokenWindows, load_text, tokenize, tokenize_with, unigram_loss
 
 __all__ = ["GPT", "TextData"]
 
@@ -140,7 +140,12 @@ class TextData(L.LightningDataModule):
         val_fraction: the share of the tokens held out for validation.
         cache_dir: where the tokenizer and the token ids are cached.
         seed: the seed of the shuffling.
+        tokenizer: a directory holding a saved Hugging Face tokenizer (a pretrained model's own) to
+            encode the text with, instead of training a BPE on it (``vocab_size`` must hold it).
     """
+
+    collate_fn: Optional[Any] = None
+    """How the loaders collate windows (``None``: ``(inputs, targets)`` tensors)."""
 
     def __init__(
         self,
@@ -152,21 +157,29 @@ class TextData(L.LightningDataModule):
         val_fraction: float = 0.05,
         cache_dir: str = "~/.cache/lightning-hetero",
         seed: int = 0,
+        tokenizer: Optional[str] = None,
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"`val_fraction={val_fraction}` must be between 0 and 1.")
         self.text_file, self.max_chars, self.vocab_size = text_file, max_chars, vocab_size
         self.context, self.batch_size, self.val_fraction = context, batch_size, val_fraction
-        self.cache_dir, self.seed = cache_dir, seed
+        self.cache_dir, self.seed, self.tokenizer = cache_dir, seed, tokenizer
         self.unigram_loss: Optional[float] = None
 
     def prepare_data(self) -> None:
         # Once per node, before the processes that share the batches start: train (or find) the tokenizer.
-        tokenize(load_text(self.text_file, self.max_chars), self.vocab_size, self.cache_dir)
+        if self.tokenizer is None:
+            tokenize(load_text(self.text_file, self.max_chars), self.vocab_size, self.cache_dir)
+
+    def _ids(self) -> tuple[torch.Tensor, int]:
+        text = load_text(self.text_file, self.max_chars)
+        if self.tokenizer is not None:
+            return tokenize_with(text, self.tokenizer)
+        return tokenize(text, self.vocab_size, self.cache_dir)
 
     def setup(self, stage: str) -> None:
-        ids, vocab = tokenize(load_text(self.text_file, self.max_chars), self.vocab_size, self.cache_dir)
+        ids, vocab = self._ids()
         if vocab > self.vocab_size:
             raise ValueError(f"The tokenizer has {vocab} tokens, more than `vocab_size={self.vocab_size}`.")
         cut = int(len(ids) * (1 - self.val_fraction))
@@ -180,10 +193,17 @@ class TextData(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)  # every process shuffles alike
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True)
+        return DataLoader(
+            self.train,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=generator,
+            drop_last=True,
+            collate_fn=self.collate_fn,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=self.batch_size)
+        return DataLoader(self.val, batch_size=self.batch_size, collate_fn=self.collate_fn)
 
 
 def main(args: Any = None) -> None:

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from lightning_hetero.files import atomic_write
 
-__all__ = ["stdlib_corpus", "load_text", "tokenize", "TokenWindows", "unigram_loss"]
+__all__ = ["stdlib_corpus", "load_text", "tokenize", "tokenize_with", "TokenWindows", "unigram_loss"]
 
 
 def stdlib_corpus(max_chars: int) -> str:
@@ -80,6 +80,20 @@ def tokenize(text: str, vocab_size: int, cache_dir: str | Path) -> tuple[torch.T
     with atomic_write(ids_path) as f:
         torch.save(ids, f)
     return ids, tokenizer.get_vocab_size()
+
+
+def tokenize_with(text: str, tokenizer_dir: str | Path) -> tuple[torch.Tensor, int]:
+    """``text`` as the token ids of a Hugging Face tokenizer saved in ``tokenizer_dir`` (a pretrained
+    model's own, from ``save_pretrained`` or a hub snapshot on disk; nothing is downloaded), and
+    its vocabulary's size."""
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer_dir).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"`tokenizer={tokenizer_dir}` is not a directory holding a saved tokenizer.")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    ids = [i for chunk in _batches(text) for i in tokenizer(chunk, add_special_tokens=False)["input_ids"]]
+    return torch.tensor(ids, dtype=torch.int32), len(tokenizer)
 
 
 class TokenWindows(Dataset):

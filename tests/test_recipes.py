@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from lightning_hetero.cli import HeteroCLI
 from recipes import gpt
+from recipes.causal_lm import CausalLM, CausalLMData
 from recipes.data import read_idx, write_idx
 from recipes.mlp import DigitsData, main
 from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
@@ -268,3 +270,58 @@ def test_readme_srun_command(tmp_path: Path) -> None:
     # README: srun --ntasks-per-node=3 python -m recipes.mlp ... (srun simulated: its environment, one process per task)
     assert slurm_tasks(recipe_args(tmp_path), cwd=ROOT, timeout=300) == [0, 0, 0]
     assert list(tmp_path.rglob("*.ckpt"))
+
+
+CAUSAL_LM = ROOT / "configs" / "causal_lm.yaml"
+
+
+def tiny_causal_lm(tmp_path: Path, vocab: int = 300) -> list[str]:
+    """Overrides that make the causal LM config train in seconds on a small text."""
+    config = {"vocab_size": vocab, "n_positions": 16, "n_embd": 16, "n_layer": 2, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
+    return [
+        "--data.init_args.text_file", str(small_text(tmp_path)), "--data.init_args.vocab_size", str(vocab),
+        "--data.init_args.context", "16", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+        "--model.init_args.config", json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+        "--trainer.val_check_interval", "2", "--trainer.callbacks", "[]",
+    ]  # fmt: skip
+
+
+def test_the_causal_lm_config_fits_a_few_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face GPT-2 as the library builds it, as replicas on two devices beside a CPU worker."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cli = HeteroCLI(CausalLM, CausalLMData, args=quick(CAUSAL_LM, tmp_path, *tiny_causal_lm(tmp_path)))
+    assert cli.trainer.strategy.plan.parallelism == "replicas"
+    assert math.isfinite(float(cli.trainer.callback_metrics["train_loss"]))
+    assert list(tmp_path.glob("wandb/offline-run-*")) and list(tmp_path.rglob("*.ckpt"))
+
+
+def test_the_causal_lm_recipe_fine_tunes_a_saved_model_with_its_own_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model.pretrained` and `data.tokenizer` name a directory written by `save_pretrained` (a
+    model and its tokenizer, as a hub snapshot on disk holds them): training starts from its
+    weights (at lr 0 it ends there) and reads the text through its tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    saved = tmp_path / "saved"
+    text = load_text(str(small_text(tmp_path)), 1_000_000)
+    tokenize(text, 280, tmp_path / "bpe")
+    (bpe,) = (tmp_path / "bpe").glob("bpe-*.json")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(bpe))
+    tokenizer.save_pretrained(saved)
+    torch.manual_seed(1)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(saved)
+    pretrained = GPT2LMHeadModel.from_pretrained(saved).state_dict()
+
+    def fine_tune(lr: float) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"lr{lr}"
+        args = quick(CAUSAL_LM, out, *tiny_causal_lm(tmp_path, vocab=len(tokenizer)))
+        args += ["--model.init_args.pretrained", str(saved), "--data.init_args.tokenizer", str(saved)]
+        args += ["--model.init_args.lr", str(lr), "--trainer.precision", "64-true", "--trainer.logger", "false"]
+        cli = HeteroCLI(CausalLM, CausalLMData, args=args)
+        return {k: v.float() for k, v in cli.model.model.state_dict().items()}
+
+    assert max((fine_tune(0.0)[k] - v).abs().max().item() for k, v in pretrained.items()) < 1e-7
+    assert max((fine_tune(0.01)[k] - v).abs().max().item() for k, v in pretrained.items()) > 1e-4
