@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 __all__ = [
     "PipelineModule",
@@ -119,17 +119,22 @@ def _defines(model: nn.Module, method: str) -> bool:
     )
 
 
+def _running_stats(module: nn.Module) -> bool:
+    return isinstance(module, _NormBase) and module.track_running_stats
+
+
 def check_replica_contract(model: nn.Module) -> list[nn.Module]:
     """Check that the model can train as replicas; return its parameter blocks: each module's own
     parameters (not its children's), in the order the model registers them, every parameter once
     (a parameter two modules share belongs to the first, whose backward finishes it: fine mode's
     buckets follow these blocks)."""
     _check_training(model)
-    stats = [type(m).__name__ for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+    # BatchNorm's running statistics are kept equal between the replicas (`batchnorm.py`); others' are not.
+    stats = [type(m).__name__ for m in model.modules() if _running_stats(m) and not isinstance(m, _BatchNorm)]
     if stats:
         raise ValueError(
             f"`{type(model).__name__}` contains {stats[0]} with running statistics, which the hetero strategy does"
-            " not synchronize between replicas yet. Use LayerNorm/GroupNorm, or `track_running_stats=False`."
+            " not keep equal between replicas (it does BatchNorm's). Use `track_running_stats=False`."
         )
     seen: set[int] = set()
     blocks = []
@@ -180,12 +185,12 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
         if id(layer) in seen:
             raise ValueError(f"`{name}.pipeline_layers()` lists the same module twice (index {i}).")
         seen.add(id(layer))
-        stats = [type(m).__name__ for m in layer.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        stats = [type(m).__name__ for m in layer.modules() if _running_stats(m)]
         if stats:
             raise ValueError(
-                f"`{name}.pipeline_layers()[{i}]` contains {stats[0]} with running statistics, which the hetero"
-                " strategy does not synchronize between workers yet. Use LayerNorm/GroupNorm, or"
-                " `track_running_stats=False`."
+                f"`{name}.pipeline_layers()[{i}]` contains {stats[0]} with running statistics, which a pipeline"
+                " does not keep between its workers. Train it as replicas (`parallelism='replicas'`: BatchNorm"
+                " works there), or use LayerNorm/GroupNorm or `track_running_stats=False`."
             )
     _check_parameter_ownership(model, layers)
     return layers

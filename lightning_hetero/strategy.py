@@ -46,6 +46,8 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
+from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
+from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.files import AtomicCheckpointIO
@@ -363,6 +365,8 @@ class HeteroStrategy(ParallelStrategy):
         module = self.lightning_module
         self._engine = self._engine or self._place(module)
         self._engine.worker.on_setup()
+        if self._engine.worker.norm is not None:
+            self._engine.worker.norm.apply(module)
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
@@ -391,6 +395,7 @@ class HeteroStrategy(ParallelStrategy):
         placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank))
         schedule = resolve_schedule(self._plan.schedule, topology.num_stages, self._plan.micro_batches)
         worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
+        worker.norm = self._replica_norm(module)
         log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), bounds)
         engine = StepEngine(
             worker=worker,
@@ -409,6 +414,35 @@ class HeteroStrategy(ParallelStrategy):
         )
         engine.pace(self._emulated_speed)
         return engine
+
+    def _replica_norm(self, module: LightningModule) -> Optional[ReplicaNorm]:
+        """Replicas of a model with BatchNorm layers: their statistics per share, or over the whole
+        batch with ``Trainer(sync_batchnorm=True)`` (``batchnorm.py``). Collective: new groups."""
+        if self._plan.parallelism != "replicas" or not has_batch_norm(module):
+            return None
+        assert self._groups is not None
+        topology, whole = self.topology, self._layer_sync is not None
+        cpus, devices = topology.cpu_workers, topology.num_stages
+
+        def group(ranks: Optional[list[int]] = None) -> dist.ProcessGroup:
+            # Groups of their own: the step's other collectives may run beside these (fine mode's
+            # bucket sums on a side thread, the one-way exchange).
+            return dist.new_group(ranks, backend="gloo", timeout=self._timeout)
+
+        everyone = group()
+        groups: dict = {}
+        for node in range(topology.num_nodes if whole else 0):
+            ranks = topology.node_ranks(node)
+            sets = {((True,) * cpus, (True,) * devices): ranks}
+            if devices > 1:
+                sets[((False,) * cpus, (True,) * devices)] = ranks[cpus:]
+            if cpus > 1:
+                sets[((True,) * cpus, (False,) * devices)] = ranks[:cpus]
+            for key, members in sets.items():
+                made = group(members)
+                if node == self.node_rank:
+                    groups[key] = made
+        return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
 
     def _build_sync(self) -> GradSync:
         assert self._engine is not None and self._groups is not None
@@ -648,6 +682,7 @@ class HeteroStrategy(ParallelStrategy):
             if trainer.state.status == TrainerStatus.RUNNING:  # not after a failure (`_interrupt`)
                 # Code after the trainer call reads the whole model on every rank, as under DDP.
                 self._engine.worker.share_model(self._groups.node)
+            revert_batch_norm(self.lightning_module)
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_materialized(self.lightning_module, torch.device("cpu"))

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hetero.batchnorm import ReplicaNorm
 from lightning_hetero.module import inputs_of, split_inputs_targets
 from lightning_hetero.offload import BucketStep, choose_offloaded
 from lightning_hetero.pipeline import Pipeline, StageModule
@@ -118,6 +119,8 @@ class Worker:
         self.params = list(params)
         self.placement = placement
         self.fresh_grads: list[Tensor | None] | None = None
+        self.norm: Optional[ReplicaNorm] = None
+        """What this replica does about the model's BatchNorm layers (``batchnorm.py``), where it has any."""
         self.pace = 0.0
         """TESTING ONLY: seconds per sample this worker's training share takes at least (the
         strategy's ``emulated_speed``); 0 runs at the real speed."""
@@ -272,8 +275,12 @@ class _WholeModel(Worker):
         self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
     ) -> tuple[WorkerReport, Any]:
         start, stop = self._range(shares)
+        if self.norm is not None:
+            self.norm.before(shares)
         if start == stop:
             self._train(lambda: None, grads)
+            if self.norm is not None:
+                self.norm.after_training_batch(0, shares.batch_size)
             return WorkerReport(), None
 
         def compute() -> tuple[WorkerReport, Any]:
@@ -287,11 +294,16 @@ class _WholeModel(Worker):
                 self._pad(stop - start, started)
                 return report, output
 
-        return self._train(compute, grads)
+        result = self._train(compute, grads)
+        if self.norm is not None:
+            self.norm.after_training_batch(stop - start, shares.batch_size)
+        return result
 
     @override
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = self._range(shares)
+        if self.norm is not None:
+            self.norm.before(shares)
         if start == stop:
             return WorkerReport(), None
         return self._run_step(method, self._on_device(slice_batch(batch, start, stop)), rest, stop - start, shares.batch_size)

@@ -64,7 +64,7 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class RecordCopies(L.Callback):
-    """Every rank writes the parameters it holds after every training batch (invariant 3's evidence).
+    """Every rank writes the parameters and buffers it holds after every training batch (invariant 3's evidence).
 
     A CPU worker with no share of a step keeps out of it (the strategy refreshes its replica
     before it is used again); its copies are not compared while they are stale."""
@@ -74,7 +74,8 @@ class RecordCopies(L.Callback):
         self.steps: list[dict[str, torch.Tensor]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        held = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if not p.is_meta}
+        tensors = [*pl_module.named_parameters(), *pl_module.named_buffers()]  # BatchNorm's statistics too
+        held = {n: p.detach().cpu().clone() for n, p in tensors if not p.is_meta}
         self.steps.append(held if trainer.strategy.replica_is_current else {})
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

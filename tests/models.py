@@ -300,3 +300,36 @@ def demo_data(n: int = 8, vocab: int = 50, block: int = 12) -> DataLoader:
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, vocab, (n, block + 1), generator=g)
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=1)
+
+
+class TinyResNet(L.LightningModule):
+    """A Hugging Face ResNet built from a config (no download), BatchNorm after every convolution,
+    trained through its own loss on dict batches."""
+
+    def __init__(self, labels: int = 3) -> None:
+        super().__init__()
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        torch.manual_seed(0)
+        config = ResNetConfig(
+            num_channels=3, embedding_size=8, hidden_sizes=[8, 12], depths=[1, 1], layer_type="basic", num_labels=labels
+        )
+        self.model = ResNetForImageClassification(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def image_data(n: int = 44, batch_size: int = 12, labels: int = 3, size: int = 12) -> DataLoader:
+    """Dict batches of small random images and labels, as an image processor's collator makes them."""
+    g = torch.Generator().manual_seed(6)
+    images, targets = torch.randn(n, 3, size, size, generator=g), torch.randint(0, labels, (n,), generator=g)
+    return DataLoader([{"pixel_values": x, "labels": y} for x, y in zip(images, targets)], batch_size=batch_size)

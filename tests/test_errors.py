@@ -41,7 +41,7 @@ class NoContract(L.LightningModule):
 class NormedNoContract(NoContract):
     def __init__(self) -> None:
         super().__init__()
-        self.norm = nn.BatchNorm1d(3)
+        self.norm = nn.InstanceNorm1d(3, track_running_stats=True)
 
 
 class NoLoss(PipelineModule, L.LightningModule):
@@ -143,14 +143,16 @@ CASES = {
         "does not follow the hetero model contract: it has no `pipeline_layers()`",
     ),
     "unknown-parallelism": Bad(lambda _: HeteroStrategy(parallelism="tensor"), "`parallelism='tensor'` must be 'auto'"),
-    "batchnorm-in-replicas": Bad(
-        lambda _: fit(NormedNoContract()), "contains BatchNorm1d with running statistics, which the hetero strategy"
+    "instancenorm-stats-in-replicas": Bad(
+        lambda _: fit(NormedNoContract()), "contains InstanceNorm1d with running statistics, which the hetero strategy"
     ),
     "no-loss": Bad(lambda _: fit(NoLoss()), "it has no `pipeline_loss()`"),
     "foreign-layer": Bad(lambda _: fit(Variant("foreign")), "is not a submodule of the model"),
     "orphan-parameter": Bad(lambda _: fit(Variant("orphan")), "trainable parameters outside `pipeline_layers()`: extra"),
     "tied": Bad(lambda _: fit(Variant("tied")), "share a parameter (weight tying)"),
-    "batchnorm": Bad(lambda _: fit(Variant("batchnorm")), "contains BatchNorm1d with running statistics"),
+    "batchnorm-in-a-pipeline": Bad(
+        lambda _: fit(Variant("batchnorm")), "contains BatchNorm1d with running statistics, which a pipeline"
+    ),
     "more-stages-than-layers": Bad(
         lambda _: fit(strategy=hetero(stages=["cpu"] * 7)), "Cannot cut 6 layer(s) into 7 pipeline stages"
     ),
