@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 import lightning.pytorch as pl
 
-from lightning_hetero.module import split_inputs_targets
+from lightning_hetero.module import pipeline_pair
 from lightning_hetero.shares import batch_size_of
 
 __all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch", "training_loader"]
@@ -89,7 +89,8 @@ def check_before_launch(
 ) -> None:
     """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
     the launcher: the model, then the loaders) as every process would at its first batch; ``pairs``:
-    the training batches must be ``(inputs, targets)`` (a pipeline's). Skipped where the model
+    the training batches must give the first block's inputs and the loss's target (a pipeline's:
+``pipeline_inputs``). Skipped where the model
     reshapes its batches in a batch-transfer hook (the processes see the result), and for a
     validation loader the fit will not use."""
     if any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
@@ -114,7 +115,7 @@ def check_before_launch(
         try:
             batch_size_of(batch)
             if stage == RunningStage.TRAINING and pairs:
-                split_inputs_targets(batch)
+                pipeline_pair(model, batch)
         except (TypeError, ValueError) as error:
             raise type(error)(f"The {stage.dataloader_prefix} dataloader's first batch: {error}") from None
 

@@ -30,6 +30,8 @@ __all__ = [
     "run_layers",
     "split_inputs_targets",
     "inputs_of",
+    "pipeline_pair",
+    "pipeline_inputs_only",
     "offers_blocks",
     "check_model_contract",
     "check_replica_contract",
@@ -61,6 +63,18 @@ def inputs_of(batch: Any) -> Any:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
+def pipeline_pair(model: Any, batch: Any) -> tuple[Any, Any]:
+    """What feeds the first block and what the loss's target is, for a batch: the model's
+    ``pipeline_inputs(batch)``, or ``(inputs, targets)`` as the batch gives them."""
+    hook = getattr(model, "pipeline_inputs", None)
+    return hook(batch) if callable(hook) else split_inputs_targets(batch)
+
+
+def pipeline_inputs_only(model: Any, batch: Any) -> Any:
+    """What feeds the first block, for a batch that may have no targets (prediction)."""
+    return pipeline_pair(model, batch)[0] if _defines(model, "pipeline_inputs") else inputs_of(batch)
+
+
 class PipelineModule:
     """Mixin for a ``LightningModule`` that is an ordered list of blocks.
 
@@ -86,6 +100,14 @@ class PipelineModule:
     def pipeline_loss(self, output: Any, target: Any) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement `pipeline_loss(output, target)`.")
 
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        """What of a batch feeds the first block, and what the loss's target is: ``(inputs, target)``.
+        The default takes batches that are ``(inputs, targets)``; override it for any other
+        structure (a dict, a dataclass, a tokenizer's output). ``inputs`` may be a tensor, a tuple
+        (the first block's positional arguments) or a dict (its one argument); the target may be
+        anything ``pipeline_loss`` takes, or ``None`` where a batch has none (prediction)."""
+        return split_inputs_targets(batch)
+
     def forward(self, inputs: Any) -> Any:
         return run_layers(self.pipeline_layers(), inputs)
 
@@ -99,10 +121,10 @@ class PipelineModule:
         return self._pipeline_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
-        return self(inputs_of(batch))
+        return self(pipeline_inputs_only(self, batch))
 
     def _pipeline_step(self, batch: Any, stage: str) -> Tensor:
-        inputs, targets = split_inputs_targets(batch)
+        inputs, targets = self.pipeline_inputs(batch)
         loss = self.pipeline_loss(self(inputs), targets)
         self.log(f"{stage}_loss", loss, prog_bar=True)  # type: ignore[attr-defined]
         return loss

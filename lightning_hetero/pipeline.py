@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import nullcontext
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     get_schedule_class,
 )
+from torch.utils._pytree import tree_flatten
 
 from lightning_hetero.module import run_layers
 
@@ -110,8 +111,10 @@ class StageModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
-    def forward(self, *args: Any) -> Any:
-        outputs = run_layers(self.layers, args if len(args) > 1 else args[0])
+    def forward(self, *args: Any, **inputs: Any) -> Any:
+        # A dict of inputs travels as keyword arguments (torch's stages take only tensors as
+        # positional ones); the first block takes it as one dict, as `PipelineModule.forward` gives it.
+        outputs = run_layers(self.layers, inputs if inputs else args if len(args) > 1 else args[0])
         return _attached(outputs) if torch.is_grad_enabled() else outputs
 
 
@@ -209,20 +212,27 @@ class Pipeline:
         self._loss.scale = loss_scale
         losses: list[Tensor] = []
         kwargs = {"target": move_data_to_device(targets, self.device), "losses": losses} if self.is_last else {}
-        outputs = schedule.step(*self._first_stage_args(inputs), **kwargs)
+        args, inputs_by_name = self._first_stage_args(inputs)
+        outputs = schedule.step(*args, **inputs_by_name, **kwargs)
         mean = sum(float(loss.detach()) for loss in losses) / (loss_scale * micro_batches) if losses else float("nan")
         return outputs, mean
 
     def eval_step(self, inputs: Any, micro_batches: int) -> Any:
         """Forward only over the share; return the merged outputs on the last stage."""
         schedule = self._schedule(False, micro_batches, inputs)
-        return schedule.step(*self._first_stage_args(inputs))
+        args, inputs_by_name = self._first_stage_args(inputs)
+        return schedule.step(*args, **inputs_by_name)
 
-    def _first_stage_args(self, inputs: Any) -> tuple:
+    def _first_stage_args(self, inputs: Any) -> tuple[tuple, dict[str, Any]]:
+        """The first stage's inputs as the schedule's positional arguments, or, for a dict, keyword ones."""
         if not self.is_first:
-            return ()
+            return (), {}
         inputs = move_data_to_device(inputs, self.device)
-        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if isinstance(inputs, Mapping):
+            if {"target", "losses"} & set(inputs):
+                raise ValueError("A dict of inputs to the first block cannot have the keys 'target' or 'losses'.")
+            return (), dict(inputs)
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
     def _schedule(self, train: bool, micro_batches: int, inputs: Any) -> PipelineScheduleSingle:
         key = (train, micro_batches, _layout(inputs))
@@ -247,6 +257,6 @@ class Pipeline:
 
 
 def _layout(inputs: Any) -> tuple:
-    tensors = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+    leaves, spec = tree_flatten(inputs)
+    return str(spec), tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor))
 

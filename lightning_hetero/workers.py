@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.batchnorm import ReplicaNorm
-from lightning_hetero.module import inputs_of, split_inputs_targets
+from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
 from lightning_hetero.offload import BucketStep, choose_offloaded
 from lightning_hetero.pipeline import Pipeline, StageModule
 from lightning_hetero.record import span
@@ -471,7 +471,7 @@ class StageWorker(Worker):
             self._train(lambda: None, grads)
             return WorkerReport(), None
         share = slice_batch(batch, start, stop)
-        inputs, targets = split_inputs_targets(share)
+        inputs, targets = pipeline_pair(self.module, share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
 
         def compute() -> tuple[Any, float]:
@@ -525,7 +525,7 @@ class StageWorker(Worker):
         if start == stop:
             return WorkerReport(), None
         share = slice_batch(batch, start, stop)
-        outputs = self.pipeline.eval_step(inputs_of(share), shares.micro_batches)
+        outputs = self.pipeline.eval_step(pipeline_inputs_only(self.module, share), shares.micro_batches)
         if not self.pipeline.is_last:
             return WorkerReport(), None
         return self._replay(method, share, rest, outputs, shares)

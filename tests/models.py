@@ -333,3 +333,36 @@ def image_data(n: int = 44, batch_size: int = 12, labels: int = 3, size: int = 1
     g = torch.Generator().manual_seed(6)
     images, targets = torch.randn(n, 3, size, size, generator=g), torch.randint(0, labels, (n,), generator=g)
     return DataLoader([{"pixel_values": x, "labels": y} for x, y in zip(images, targets)], batch_size=batch_size)
+
+
+class Keyed(nn.Module):
+    """A first block that takes a dict: ``{"x": features, "scale": per-sample scale}``."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, width)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.linear(inputs["x"]) * inputs["scale"]
+
+
+class DictNet(Net):
+    """`Net` fed from dict batches through `pipeline_inputs`: ``{"x", "y", "scale", "id"}``; with
+    ``keyed``, its first block takes a dict of two tensors."""
+
+    def __init__(self, keyed: bool = False) -> None:
+        super().__init__()
+        self.keyed = keyed
+        if keyed:
+            self.layers[0] = Keyed()
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        inputs = {"x": batch["x"], "scale": batch["scale"]} if self.keyed else batch["x"]
+        return inputs, batch.get("y")
+
+
+def dict_data(n: int = 44, batch_size: int = 12) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x, y, scale = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g), torch.rand(n, 1, generator=g) + 0.5
+    items = [{"x": x[i], "y": y[i], "scale": scale[i], "id": f"sample-{i}"} for i in range(n)]
+    return DataLoader(items, batch_size=batch_size)

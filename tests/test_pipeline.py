@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from torch import nn
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
 from lightning_hetero.pipeline import StageModule, partition_layers, resolve_schedule
+from tests.conftest import hetero
+from tests.models import DictNet, dict_data
+from tests.test_replicas import assert_same_run
 
 
 def layers(*widths: int) -> list[nn.Module]:
@@ -56,3 +60,12 @@ def test_stage_module_runs_its_layers_in_order() -> None:
     first, second = nn.Linear(2, 3), nn.Linear(3, 1)
     x = torch.randn(4, 2)
     assert torch.equal(StageModule([first, second])(x), second(first(x)))
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["tensor-input", "dict-input"])
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.4])
+def test_a_pipeline_fed_through_its_pipeline_inputs_hook(tmp_path: Path, keyed: bool, cpu_fraction: float) -> None:
+    """Dict batches with a string per sample: `pipeline_inputs` says what feeds the first block (a
+    tensor, or a dict the first block takes) and what the target is; it trains as one process."""
+    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=cpu_fraction, micro_batches=2)
+    assert_same_run(tmp_path, strategy, lambda: DictNet(keyed), dict_data)

@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hetero.data import training_loader
-from lightning_hetero.module import layer_names, split_inputs_targets
+from lightning_hetero.module import layer_names, pipeline_pair
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -152,7 +152,7 @@ class WorkloadAnalyzer(L.Callback):
         module = trainer.lightning_module
         batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
-        mine = self._measure(strategy, module, layers, *split_inputs_targets(batch), batch_size)
+        mine = self._measure(strategy, module, layers, *pipeline_pair(module, batch), batch_size)
         assert strategy.process_groups is not None
         control = strategy.process_groups.control
         parts = gather_object_to(mine, 0, control)
