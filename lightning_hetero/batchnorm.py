@@ -209,17 +209,18 @@ class ReplicaNorm:
         self.devices, self.everyone, self.num_nodes = devices, everyone, num_nodes
         self.stats = StatsGroup()
 
-    def apply(self, module: nn.Module) -> None:
+    def apply(self) -> None:
         """Convert the layers for this trainer call (whole-batch mode)."""
         if self.whole:
-            convert(module, self.stats)
+            convert(self.module, self.stats)
 
     def before(self, shares: Any) -> None:
         """Whole-batch mode: the group this step's statistics are summed over."""
         if not self.whole:
             return
-        cpus = tuple(stop > start for start, stop in shares.cpu)
-        devices = tuple(shares.device_part(i, self.devices)[1] > shares.device_part(i, self.devices)[0] for i in range(self.devices))
+        parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
+        has_share = tuple(stop > start for start, stop in parts)
+        cpus, devices = has_share[: len(shares.cpu)], has_share[len(shares.cpu) :]
         if sum(cpus) + sum(devices) <= 1:
             self.stats.group = None
             return

@@ -90,9 +90,8 @@ def check_before_launch(
     """Check the DataLoaders among ``args`` (the trainer method's arguments as Lightning hands them to
     the launcher: the model, then the loaders) as every process would at its first batch; ``pairs``:
     the training batches must give the first block's inputs and the loss's target (a pipeline's:
-``pipeline_inputs``). Skipped where the model
-    reshapes its batches in a batch-transfer hook (the processes see the result), and for a
-    validation loader the fit will not use."""
+    ``pipeline_inputs``). Skipped where the model reshapes its batches in a batch-transfer hook (the
+    processes see the result), and for a validation loader the fit will not use."""
     if any(is_overridden(hook, model) for hook in _BATCH_HOOKS):
         return
     fn = trainer.state.fn

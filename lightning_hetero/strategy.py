@@ -366,7 +366,7 @@ class HeteroStrategy(ParallelStrategy):
         self._engine = self._engine or self._place(module)
         self._engine.worker.on_setup()
         if self._engine.worker.norm is not None:
-            self._engine.worker.norm.apply(module)
+            self._engine.worker.norm.apply()
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
@@ -431,7 +431,7 @@ class HeteroStrategy(ParallelStrategy):
 
         everyone = group()
         groups: dict = {}
-        for node in range(topology.num_nodes if whole else 0):
+        for node in range(topology.num_nodes) if whole else []:
             ranks = topology.node_ranks(node)
             sets = {((True,) * cpus, (True,) * devices): ranks}
             if devices > 1:

@@ -277,13 +277,10 @@ class _WholeModel(Worker):
         start, stop = self._range(shares)
         if self.norm is not None:
             self.norm.before(shares)
-        if start == stop:
-            self._train(lambda: None, grads)
-            if self.norm is not None:
-                self.norm.after_training_batch(0, shares.batch_size)
-            return WorkerReport(), None
 
         def compute() -> tuple[WorkerReport, Any]:
+            if start == stop:
+                return WorkerReport(), None
             # On a GPU, the device's own time (CUDA events): the host only queues the work.
             with clock.device_span("compute") if clock is not None else nullcontext():
                 started = time.perf_counter()
