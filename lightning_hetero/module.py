@@ -5,7 +5,9 @@ layout holds the whole model and runs the module's own ``training_step`` on its 
 batch (``check_replica_contract``). To be pipelined, a LightningModule provides
 
 - ``pipeline_layers() -> Sequence[nn.Module]``: the model as an ordered list of blocks, each the
-  input of the next, every trainable parameter owned by exactly one block; and
+  input of the next, every trainable parameter in at least one block (a parameter two blocks use,
+  such as tied input and output embeddings, may land on two stages: ``tied_parameters``); a block
+  is a submodule of the model or a thin wrapper over some of them; and
 - ``pipeline_loss(output, target) -> Tensor``: the loss, a mean over the samples of the batch.
 
 The pipeline stages run slices of ``pipeline_layers()`` and ``pipeline_loss``; the CPU worker runs
@@ -37,6 +39,7 @@ __all__ = [
     "check_replica_contract",
     "check_optimizers",
     "layer_names",
+    "tied_parameters",
 ]
 
 
@@ -194,15 +197,22 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
     layers = list(layers)
     if not layers:
         raise ValueError(f"`{name}.pipeline_layers()` returned no layers.")
+    own = {id(p) for p in model.parameters()}
     submodules = {id(m) for m in model.modules()}
     seen: set[int] = set()
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"`{name}.pipeline_layers()[{i}]` is a {type(layer).__name__}, not an nn.Module.")
-        if id(layer) not in submodules:
+        # A block is one of the model's submodules, or a thin wrapper over some of them (a step of
+        # a library's model, such as its embedding): either way its parameters are the model's.
+        foreign = id(layer) not in submodules and (
+            not any(id(m) in submodules for m in layer.modules()) or any(id(p) not in own for p in layer.parameters())
+        )
+        if foreign:
             raise ValueError(
-                f"`{name}.pipeline_layers()[{i}]` ({type(layer).__name__}) is not a submodule of the model;"
-                " assign the layers to attributes (e.g. an nn.ModuleList) so the model owns their parameters."
+                f"`{name}.pipeline_layers()[{i}]` ({type(layer).__name__}) is not a submodule of the model, nor a"
+                " wrapper over its submodules; assign the layers to attributes (e.g. an nn.ModuleList) so the model"
+                " owns their parameters."
             )
         if id(layer) in seen:
             raise ValueError(f"`{name}.pipeline_layers()` lists the same module twice (index {i}).")
@@ -241,16 +251,8 @@ def _check_training(model: nn.Module) -> None:
 
 def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> None:
     name = type(model).__name__
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            if id(p) in owner and owner[id(p)] != i:
-                raise ValueError(
-                    f"`{name}.pipeline_layers()[{owner[id(p)]}]` and `[{i}]` share a parameter (weight tying)."
-                    " Layers may land on different stages, so each parameter must belong to exactly one layer."
-                )
-            owner[id(p)] = i
-    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    held = {id(p) for layer in layers for p in layer.parameters()}
+    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if orphans:
         shown = ", ".join(orphans[:5]) + (" ..." if len(orphans) > 5 else "")
         raise ValueError(
@@ -258,6 +260,26 @@ def _check_parameter_ownership(model: nn.Module, layers: list[nn.Module]) -> Non
             " must belong to one of the layers, or the pipeline stages would never train it."
         )
 
+
+def tied_parameters(
+    layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]
+) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+    """The parameters that the blocks of several stages use (tied weights: an input embedding and
+    the output head), grouped by the stages that hold them: ``(stages, params)`` in the order the
+    blocks first use them. Each of these stages computes its own uses' gradient, and the sum is
+    what every copy steps with (``workers.Placement``)."""
+    holders: dict[nn.Parameter, list[int]] = {}
+    for stage, (start, stop) in enumerate(bounds):
+        for layer in layers[start:stop]:
+            for p in layer.parameters():
+                stages = holders.setdefault(p, [])
+                if stage not in stages:
+                    stages.append(stage)
+    tied: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for p, stages in holders.items():
+        if len(stages) > 1:
+            tied.setdefault(tuple(stages), []).append(p)
+    return list(tied.items())
 
 
 def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> None:
@@ -282,6 +304,7 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
 
 
 def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
-    """Each layer's module name in the model (``"layers.3"``), as plans name stage boundaries."""
+    """Each layer's module name in the model (``"layers.3"``), as plans name stage boundaries; a
+    wrapper over the model's submodules goes by its first one's name."""
     names = {id(m): name for name, m in model.named_modules()}
-    return [names[id(layer)] for layer in layers]
+    return [next(names[id(m)] for m in layer.modules() if id(m) in names) for layer in layers]

@@ -49,10 +49,23 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*params, *module.named_buffers(remove_duplicate=False)]
 
 
-def drop_to_meta(layers: Sequence[nn.Module]) -> None:
-    """Move ``layers`` to the meta device (shapes only, no memory): another rank holds their values."""
+def drop_to_meta(layers: Sequence[nn.Module], keep: Sequence[torch.Tensor] = ()) -> None:
+    """Move the parameters and buffers of ``layers`` to the meta device (shapes only, no memory):
+    another rank holds their values. Those in ``keep`` (this rank's own, which a dropped layer may
+    share: tied weights) stay; a tensor under several names stays one tensor, so the model's
+    parameters keep their number and order."""
+    kept = {id(t) for t in keep}
+    dropped: dict[int, torch.Tensor] = {}
     for layer in layers:
-        layer.to("meta")
+        for module in layer.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or t.is_meta or id(t) in kept:
+                        continue
+                    if id(t) not in dropped:
+                        meta = t.detach().to("meta")
+                        dropped[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    table[name] = dropped[id(t)]
 
 
 def fill_from_peers(module: nn.Module, send: bool, group: dist.ProcessGroup) -> None:
@@ -79,16 +92,22 @@ def fill_from_peers(module: nn.Module, send: bool, group: dist.ProcessGroup) -> 
 
 
 def gather_module_state(module: nn.Module, group: dist.ProcessGroup) -> dict[str, Any]:
-    """The full ``state_dict`` on rank 0 (an empty dict elsewhere), from every rank's materialized entries."""
+    """The full ``state_dict`` on rank 0 (an empty dict elsewhere), from every rank's materialized
+    entries; names of one tensor (tied weights) share one there too."""
     local = module.state_dict()
     mine = {k: v.detach().cpu() for k, v in local.items() if not (torch.is_tensor(v) and v.is_meta)}
     parts = _gather(mine, group)
     if parts is None:
         return {}
-    full = {}
+    # A tensor under several names (tied weights) is one tensor in the state dict, as in one process.
+    first: dict[int, str] = {}
+    alias = {name: first.setdefault(id(t), name) for name, t in _tensors(module)}
+    values: dict[str, Any] = {}
     for key in local:
-        full[key] = next(part[key] for part in parts if key in part)
-    return full
+        name = alias.get(key, key)
+        if name not in values:
+            values[name] = next(part[name] for part in parts if name in part)
+    return {key: values[alias.get(key, key)] for key in local}
 
 
 def gather_optimizer_state(local: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:

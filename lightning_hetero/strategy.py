@@ -53,7 +53,7 @@ from lightning_hetero.engine import StepEngine
 from lightning_hetero.files import AtomicCheckpointIO
 from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
-from lightning_hetero.module import check_optimizers
+from lightning_hetero.module import check_optimizers, tied_parameters
 from lightning_hetero.offload import BucketStep
 from lightning_hetero.pipeline import ScheduleArg, resolve_schedule
 from lightning_hetero.plan import LAYOUT_ARGUMENTS, HeteroPlan, layout_plan
@@ -65,8 +65,8 @@ from lightning_hetero.state import gather_module_state, gather_optimizer_state, 
 from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
 from lightning_hetero.sync import GlobalNorm, GradSync
 from lightning_hetero.topology import ProcessGroups, Role, StagesArg, Topology, connect, gather_object_to
-from lightning_hetero.topology import resolve_stage_devices, threads_for, usable_cores
-from lightning_hetero.workers import ROLES, Placement, check_emulated_speed
+from lightning_hetero.topology import resolve_stage_devices, threads_for, tied_groups, usable_cores
+from lightning_hetero.workers import ROLES, Placement, Tied, check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
 
@@ -392,7 +392,10 @@ class HeteroStrategy(ParallelStrategy):
             self.apply_plan(self._planner(module.trainer, self, layers))
         layers, bounds = self._plan.place_blocks(module)
         topology, role, device, groups = self.topology, self.role, self.root_device, self._groups
-        placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank))
+        tied = tied_parameters(layers, bounds)
+        sums = tied_groups(topology, self.global_rank, [stages for stages, _ in tied], self._timeout)
+        tied_sums = [Tied(stages, params, *pair) for (stages, params), pair in zip(tied, sums)]
+        placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank), tied_sums)
         schedule = resolve_schedule(self._plan.schedule, topology.num_stages, self._plan.micro_batches)
         worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
         worker.norm = self._replica_norm(module)

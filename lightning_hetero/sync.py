@@ -232,6 +232,9 @@ class SumOver:
     params: list[nn.Parameter]
     group: dist.ProcessGroup | None
     without_cpu: dist.ProcessGroup | None = None
+    counted: bool = True
+    """Whether this rank's gradients of ``params`` count in the global norm: tied parameters count on
+    the first stage that holds them only."""
 
 
 def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucket]:
@@ -257,6 +260,7 @@ class CoarseSync(GradSync):
         params = [p for b in buckets for p in b.params]
         self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
         self._norm = norm
+        self._elsewhere = {p for b in buckets if not b.counted for p in b.params}
         self._detached, self._takes_part = False, True
 
     @override
@@ -275,7 +279,8 @@ class CoarseSync(GradSync):
 
     @override
     def clip_by_norm(self, params: Sequence[Tensor], max_norm: float) -> None:
-        clip_to_norm(params, max_norm, self._norm([p.grad for p in params if p.grad is not None]))
+        counted = [p.grad for p in params if p.grad is not None and p not in self._elsewhere]
+        clip_to_norm(params, max_norm, self._norm(counted))
 
     @override
     def clip_by_value(self, params: Sequence[Tensor], value: float) -> None:
@@ -424,22 +429,35 @@ def global_grad_norm(
 
 @dataclass(frozen=True)
 class Bucket:
-    """Consecutive layers of one stage whose gradients are summed and stepped together (fine mode)."""
+    """Consecutive layers of one stage whose gradients are summed and stepped together (fine mode),
+    or the parameters that the layers of several stages share (tied weights)."""
 
     index: int
     """Position in backward order: bucket 0 holds the last layers, which the backward finishes first."""
     stage: int
     layers: tuple[int, int]
-    """``[start, stop)`` into ``pipeline_layers()``."""
+    """``[start, stop)`` into ``pipeline_layers()`` (empty for tied parameters)."""
+    tied: tuple[int, ...] = ()
+    """The stages that share this bucket's parameters, where it holds tied ones (``module.tied_parameters``)."""
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages that hold this bucket's parameters."""
+        return self.tied or (self.stage,)
 
 
 def make_buckets(
-    layers: Sequence[Union[nn.Module, int]], bounds: Sequence[tuple[int, int]], bucket_bytes: int
+    layers: Sequence[Union[nn.Module, int]],
+    bounds: Sequence[tuple[int, int]],
+    bucket_bytes: int,
+    tied: Sequence[tuple[int, ...]] = (),
 ) -> list[Bucket]:
     """Cut each stage's layers, from its last layer back, into buckets of at least ``bucket_bytes``
     of parameters counted as float32, whatever the run's precision (the stage's first bucket
     takes what remains); bucket 0 is the model's last. ``layers`` may give each layer's
-    parameter count instead of the layer."""
+    parameter count instead of the layer. The parameters shared by the stages of each of ``tied``
+    come last, a bucket each: their gradient is complete only once every stage that holds them is
+    done with them."""
     counts = [n if isinstance(n, int) else sum(p.numel() for p in n.parameters()) for n in layers]
     buckets: list[Bucket] = []
     for stage in reversed(range(len(bounds))):
@@ -451,7 +469,7 @@ def make_buckets(
                 buckets.append(Bucket(len(buckets), stage, (i, top)))
                 top, size = i, 0
         buckets.append(Bucket(len(buckets), stage, (start, top)))
-    return buckets
+    return buckets + [Bucket(len(buckets) + k, stages[0], (0, 0), stages) for k, stages in enumerate(tied)]
 
 
 class _Overlap:
@@ -485,6 +503,7 @@ class _Overlap:
         ``norm(grads, finite)`` gives the global gradient norm from this rank's gradients (a
         collective), NaN everywhere where any rank passes ``finite=False``."""
         self._params = [list(bucket.params) for bucket, _ in entries]
+        self._counted = [bucket.counted for bucket, _ in entries]
         self._sums = {
             detached: [
                 _FlatBucket(b.params, group) if (group := b.without_cpu if detached else b.group) is not None and b.params else None
@@ -562,7 +581,8 @@ class _Overlap:
         if self._deferred:
             start = time.perf_counter()
             holders = [h for step in self._steps for h in step.grad_holders() if h.grad is not None]
-            total = self._norm([h.grad for h in holders], finite and self.grads_finite)
+            counted = [h.grad for step, c in zip(self._steps, self._counted) if c for h in step.grad_holders()]
+            total = self._norm([g for g in counted if g is not None], finite and self.grads_finite)
             self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
             if self._clip_norm is not None and not self.skipped:
                 clip_to_norm(holders, self._clip_norm, total)

@@ -33,6 +33,7 @@ __all__ = [
     "usable_cores",
     "restart_store",
     "gather_object_to",
+    "tied_groups",
     "destroy_process_groups",
     "connect",
 ]
@@ -323,6 +324,27 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
     return ProcessGroups(
         control=control, node=node_group, stage=stage_group, sync=sync, replica=replica, stage_reports=stage_reports
     )
+
+
+def tied_groups(
+    topology: Topology, global_rank: int, stage_sets: Sequence[tuple[int, ...]], timeout: timedelta
+) -> list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
+    """For each set of stages that share parameters (tied weights), the groups their gradients are
+    summed over on this rank's node: those stages with the CPU workers, and those stages alone;
+    ``None`` where this rank is not a member (collective: every rank creates every group)."""
+    node = global_rank // topology.procs_per_node
+    found = []
+    for stages in stage_sets:
+        mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+        for n in range(topology.num_nodes):
+            holders = [topology.stage_ranks(n)[s] for s in stages]
+            members = topology.cpu_ranks(n) + holders
+            without_cpu = dist.new_group(holders, timeout=timeout, backend="gloo")
+            with_cpu = dist.new_group(members, timeout=timeout, backend="gloo") if topology.cpu_workers else without_cpu
+            if n == node:
+                mine = (with_cpu if global_rank in members else None, without_cpu if global_rank in holders else None)
+        found.append(mine)
+    return found
 
 
 def gather_object_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] | None:

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -59,6 +59,7 @@ from lightning_hetero.sync import (
 
 __all__ = [
     "Placement",
+    "Tied",
     "Worker",
     "CpuWorker",
     "StageWorker",
@@ -73,6 +74,19 @@ GradPolicy = Literal["keep", "drop", "accumulate"]
 
 
 @dataclass(frozen=True)
+class Tied:
+    """Parameters that the blocks of several stages use (``module.tied_parameters``), and whom their
+    gradients are summed over: each of those stages has its own uses' gradient, a CPU worker the whole."""
+
+    stages: tuple[int, ...]
+    params: list[nn.Parameter]
+    group: Optional[dist.ProcessGroup]
+    """Those stages and the CPU workers, where this rank is a member."""
+    without_cpu: Optional[dist.ProcessGroup]
+    """Those stages alone, where this rank is one."""
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where a run's model lives on one node: its blocks, each stage's slice of them, the groups
     each stage sums its gradients over with the CPU workers, and the stages' global ranks."""
@@ -83,14 +97,44 @@ class Placement:
     sync_groups: list[Optional[dist.ProcessGroup]]
     """Stage ``s``'s sync group, where this rank is a member (``ProcessGroups.sync``)."""
     stage_ranks: list[int]
+    tied: list[Tied] = field(default_factory=list)
+    """The parameters several stages hold, by the stages that hold them."""
 
     def stage_params(self, stage: int) -> list[nn.Parameter]:
-        """The parameters of ``stage``'s blocks, frozen ones included (they may be unfrozen later)."""
-        start, stop = self.bounds[stage]
-        return [p for layer in self.layers[start:stop] for p in layer.parameters()]
+        """The parameters of ``stage``'s blocks, frozen ones included (they may be unfrozen later),
+        each once, tied ones too."""
+        return _unique(self._params_of(*self.bounds[stage]))
 
     def stage_params_all(self) -> list[list[nn.Parameter]]:
         return [self.stage_params(s) for s in range(len(self.bounds))]
+
+    def all_params(self) -> list[nn.Parameter]:
+        """Every parameter of the blocks, each once."""
+        return _unique(p for params in self.stage_params_all() for p in params)
+
+    def untied(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` without the tied ones, which are summed on their own (``tied``)."""
+        tied = {p for t in self.tied for p in t.params}
+        return [p for p in params if p not in tied]
+
+    def buckets(self, bucket_bytes: int) -> list[tuple[Bucket, list[nn.Parameter]]]:
+        """Fine mode's buckets and their parameters: the stages' layers, then each set of tied parameters."""
+        buckets = make_buckets(self.layers, self.bounds, bucket_bytes, [t.stages for t in self.tied])
+        tied = self.tied_by_stages()
+        return [
+            (b, tied[b.tied].params if b.tied else self.untied(_unique(self._params_of(*b.layers))))
+            for b in buckets
+        ]
+
+    def tied_by_stages(self) -> dict[tuple[int, ...], Tied]:
+        return {t.stages: t for t in self.tied}
+
+    def _params_of(self, start: int, stop: int) -> Any:
+        return (p for layer in self.layers[start:stop] for p in layer.parameters())
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    return list(dict.fromkeys(params))
 
 
 def _loss_of(output: Any, method: str) -> Tensor:
@@ -161,13 +205,21 @@ class Worker:
         """Whom this rank sums ``params`` (of ``stage``) with: that stage's sync group."""
         return SumOver(params, self.placement.sync_groups[stage])
 
+    def sum_tied(self, tied: Tied) -> SumOver:
+        """Whom this rank sums tied parameters with: the stages that hold them and the CPU workers;
+        their gradients count in the global norm on the first of those stages."""
+        return SumOver(tied.params, tied.group, tied.without_cpu, counted=self.norm_slot == tied.stages[0])
+
     def sync_buckets(self) -> list[SumOver]:
-        """The parameters this rank sums with others, per stage it holds, and whom with."""
-        return [self.sum_over(self.placement.stage_params(s), s) for s in self.held_stages()]
+        """The parameters this rank sums with others, per stage it holds, then the tied ones it holds,
+        and whom with."""
+        place, held = self.placement, self.held_stages()
+        own = [self.sum_over(place.untied(place.stage_params(s)), s) for s in held]
+        return own + [self.sum_tied(t) for t in place.tied if set(t.stages) & set(held)]
 
     def owns(self, bucket: Bucket) -> bool:
         """Whether this rank sums and steps ``bucket`` (fine mode)."""
-        return bucket.stage in self.held_stages()
+        return bool(set(bucket.stages) & set(self.held_stages()))
 
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
         """Bring the CPU workers' stale replicas up to date from the stages (a collective)."""
@@ -191,11 +243,14 @@ class Worker:
         if mode == "coarse":
             return CoarseSync(self.sync_buckets(), replica_group, norm)
         place = self.placement
-        buckets = make_buckets(place.layers, place.bounds, bucket_bytes)
-        params = [[p for layer in place.layers[slice(*b.layers)] for p in layer.parameters()] for b in buckets]
+        buckets, params = zip(*place.buckets(bucket_bytes))
         own = [b for b in buckets if self.owns(b)]
         offloaded = choose_offloaded(offload, buckets, own, params, self.device, control)
-        entries = [(self.sum_over(params[b.index], b.stage), b.index in offloaded) for b in own]
+        tied = place.tied_by_stages()
+        entries = [
+            (self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), b.index in offloaded)
+            for b in own
+        ]
         return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite)
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
@@ -315,7 +370,7 @@ class CpuWorker(_WholeModel):
     speed_key = "cpu"
 
     def __init__(self, module: LightningModule, placement: Placement, index: int) -> None:
-        super().__init__(module, [p for params in placement.stage_params_all() for p in params], placement)
+        super().__init__(module, placement.all_params(), placement)
         self.index = index
 
     @classmethod
@@ -452,7 +507,7 @@ class StageWorker(Worker):
         # The other stages' layers go to the meta device (shapes only), so nothing can use their
         # values here, which would go stale as the stages train (`share_model` filled them in).
         start, stop = self.placement.bounds[self.pipeline.stage_index]
-        drop_to_meta(self.placement.layers[:start] + self.placement.layers[stop:])
+        drop_to_meta(self.placement.layers[:start] + self.placement.layers[stop:], keep=self.params)
 
     @override
     def expected_grads(self, shares: Shares) -> int:

@@ -246,14 +246,14 @@ class TinyGPT2(L.LightningModule):
     """A Hugging Face GPT-2 built from a config (no download), trained through its own loss on dict
     batches, its input and output embeddings tied."""
 
-    def __init__(self, vocab: int = 64, context: int = 8) -> None:
+    def __init__(self, vocab: int = 64, context: int = 8, layers: int = 2, attention: str = "eager") -> None:
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
         torch.manual_seed(0)
         config = GPT2Config(
-            vocab_size=vocab, n_positions=context, n_embd=16, n_layer=2, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+            vocab_size=vocab, n_positions=context, n_embd=16, n_layer=layers, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attention,
         )
         self.model = GPT2LMHeadModel(config)
 
@@ -264,6 +264,72 @@ class TinyGPT2(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class GPT2Embedding(nn.Module):
+    """The first step of a Hugging Face GPT-2, as a block: token and position embeddings (a thin
+    wrapper: the model owns the embeddings)."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+class GPT2Head(nn.Module):
+    """The last step of a Hugging Face GPT-2, as a block: the final norm and the output head, whose
+    weight is the input embedding's (tied)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+class PipelinedGPT2(PipelineModule, TinyGPT2):
+    """`TinyGPT2` offered as blocks without changing the model: its embedding, its transformer blocks
+    (SDPA attention, causal without a mask) and its head, the head's weight tied to the embedding's,
+    so a pipeline puts the two uses on different stages. Its loss is the model's own loss function."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__(layers=layers, attention="sdpa")
+        # A plain list: the blocks wrap the model's own modules, which it registers already.
+        self.blocks = [GPT2Embedding(self.model.transformer), *self.model.transformer.h, GPT2Head(self.model)]
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return self.blocks
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        return batch["input_ids"], batch.get("labels")
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.model.loss_function(output, target, vocab_size=self.model.config.vocab_size)
+
+
+class TiedNet(Net):
+    """`Net` whose output head reuses the first layer's weight (transposed), so the two uses of one
+    parameter are four blocks apart: on different stages with two or three of them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        first = self.layers[0]
+        self.layers[4] = TiedHead(first.weight)
+        self.layers[5] = nn.Linear(6, 3)
+
+
+class TiedHead(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = nn.Parameter(torch.zeros(weight.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.t(), self.bias)
 
 
 def token_data(n: int = 44, batch_size: int = 12, vocab: int = 64, context: int = 8) -> DataLoader:

@@ -61,10 +61,6 @@ class Variant(Net):
         self.broken = broken
         if broken == "orphan":
             self.extra = nn.Parameter(torch.zeros(3))
-        if broken == "tied":
-            self.layers[4].weight = nn.Parameter(torch.zeros(3, 16))
-            self.layers[5] = nn.Linear(3, 16, bias=False)
-            self.layers[5].weight = self.layers[4].weight
         if broken == "batchnorm":
             self.layers[1] = nn.BatchNorm1d(16)
         if broken == "manual":
@@ -149,7 +145,6 @@ CASES = {
     "no-loss": Bad(lambda _: fit(NoLoss()), "it has no `pipeline_loss()`"),
     "foreign-layer": Bad(lambda _: fit(Variant("foreign")), "is not a submodule of the model"),
     "orphan-parameter": Bad(lambda _: fit(Variant("orphan")), "trainable parameters outside `pipeline_layers()`: extra"),
-    "tied": Bad(lambda _: fit(Variant("tied")), "share a parameter (weight tying)"),
     "batchnorm-in-a-pipeline": Bad(
         lambda _: fit(Variant("batchnorm")), "contains BatchNorm1d with running statistics, which a pipeline"
     ),

@@ -15,7 +15,7 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
-from tests.models import Net, regression_data
+from tests.models import Net, TiedNet, regression_data
 
 TOL = 1e-10
 SCRIPT = Path(__file__).with_name("external_launch.py")
@@ -118,6 +118,22 @@ def test_external_processes(tmp_path: Path, reference: dict, launch, environment
     assert_every_rank_holds_the_model(tmp_path, ranks=3)
 
 
+@pytest.mark.parametrize("launch", [torchrun, popen], ids=["torchrun", "popen"])
+def test_replicas_under_external_launchers(tmp_path: Path, reference: dict, launch) -> None:
+    """Whole replicas on every process (a CPU worker and two device replicas) train as one process."""
+    launch(tmp_path, "--model=replicas")
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+    assert_every_rank_holds_the_model(tmp_path, ranks=3)
+
+
+def test_tied_weights_under_popen(tmp_path: Path) -> None:
+    plain = TiedNet()
+    trainer(None, max_steps=8).fit(plain, regression_data())
+    popen(tmp_path, "--model=tied")
+    assert max_param_diff(plain.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
+    assert_every_rank_holds_the_model(tmp_path, ranks=3)
+
+
 def assert_every_rank_holds_the_model(out: Path, ranks: int) -> None:
     """After fit, every rank's module was the whole trained model, and computed with it."""
     held = [torch.load(out / f"rank{r}.pt") for r in range(ranks)]
@@ -128,14 +144,15 @@ def assert_every_rank_holds_the_model(out: Path, ranks: int) -> None:
         assert torch.equal(outputs[rank], outputs[0])
 
 
-@pytest.mark.parametrize("mode", ["coarse", "fine"])
-def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,model", [("coarse", "net"), ("fine", "net"), ("fine", "tied")])
+def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str, model: str) -> None:
     """Two hetero groups (torchrun nodes on this machine) are data-parallel replicas: they train as
-    DDP does with one process per node, on the same per-node batches."""
-    ddp = Net().double()  # the fork launcher loads the trained float64 weights into this copy
+    DDP does with one process per node, on the same per-node batches (with tied weights too, summed
+    between the stages of each node, then averaged between the nodes)."""
+    ddp = (TiedNet if model == "tied" else Net)().double()  # the fork launcher loads the trained weights into it
     t = trainer("ddp_fork", accelerator="cpu", devices=2, max_steps=6)
     t.fit(ddp, regression_data(n=48))
-    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", *(["--fine"] if mode == "fine" else [])]
+    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", f"--model={model}", *(["--fine"] if mode == "fine" else [])]
     assert torchrun_nodes(script) == [0, 0]
     assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
     assert_every_rank_holds_the_model(tmp_path, ranks=6)  # on both nodes
