@@ -98,7 +98,9 @@ def main() -> None:
 
     def strategy(stages: int) -> HeteroStrategy:
         # forkserver: workers must not fork from this process, which runs plain Lightning with threads.
-        return HeteroStrategy(stages=["cpu"] * stages, start_method="forkserver")
+        # The default layout's starting fraction, held (`cpu_fraction="auto"` would also rebalance it).
+        fair = HeteroStrategy(stages=["cpu"] * stages).cpu_fraction
+        return HeteroStrategy(stages=["cpu"] * stages, cpu_fraction=fair, start_method="forkserver")
 
     def planned(model: Callable[[], L.LightningModule], loader: DataLoader, stages: int, into: list) -> list[float]:
         with tempfile.TemporaryDirectory() as tmp:

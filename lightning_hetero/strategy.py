@@ -31,13 +31,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.callbacks import Checkpoint, DeviceStatsMonitor
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.utils import _sync_module_states
@@ -87,8 +87,11 @@ class HeteroStrategy(ParallelStrategy):
         cpu_threads: torch threads per CPU worker; ``None`` shares the machine's cores out.
         micro_batches: micro-batches the pipeline's share is cut into.
         schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
-        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``; ``"auto"``: each
-            process's fair share of the cores with emulated stages, 0 with GPU stages.
+        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given;
+            ``"auto"``: the share the CPU earns in training (an ``AdaptiveRebalancer`` with its defaults
+            where the run has none: measured from the first steps, 0 where the CPU does not make the
+            step faster), starting from each process's fair share of the cores with emulated stages,
+            and from 0 with GPU stages.
         start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
             ``"forkserver"``; ``"auto"``: fork in a notebook, popen elsewhere. Unused under torchrun or SLURM.
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
@@ -139,6 +142,7 @@ class HeteroStrategy(ParallelStrategy):
         )
         arguments = {name: value for name, value in locals().items() if name in LAYOUT_ARGUMENTS}
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
+        self._earned_fraction = plan is None and cpu_fraction == "auto"
         self._stage_devices = resolve_stage_devices(self._plan.stages)
         self._start_method = resolve_start_method(start_method)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -353,6 +357,8 @@ class HeteroStrategy(ParallelStrategy):
         log.debug("hetero: %s joined its process groups", name)
         self._set_threads()
         self.precision_plugin.use_device(self.root_device)
+        if self._earned_fraction:
+            self._rebalance(self.lightning_module.trainer)
         if self._emulated_speed:
             rank_zero_warn(f"`emulated_speed={self._emulated_speed}` slows this run down on purpose: tests only.")
         # Logged values are combined over the workers before Lightning sees them (`results.py`).
@@ -379,6 +385,21 @@ class HeteroStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # DeviceStatsMonitor logs from rank 0: every rank's stats travel with the step's results.
         self._engine.report_device_stats = any(isinstance(cb, DeviceStatsMonitor) for cb in trainer.callbacks)
+
+    def _rebalance(self, trainer: "pl.Trainer") -> None:
+        """``cpu_fraction="auto"``: the CPU takes the share it earns in training, measured from the
+        first steps (an ``AdaptiveRebalancer`` with its defaults, before the checkpoint callbacks so
+        they save its latest decision), unless the run has a rebalancer of its own."""
+        from lightning_hetero.callbacks.rebalancer import AdaptiveRebalancer
+
+        callbacks = trainer.callbacks
+        if trainer.state.fn != TrainerFn.FITTING or self.topology.cpu_workers == 0:
+            return
+        if any(isinstance(callback, AdaptiveRebalancer) for callback in callbacks):
+            return
+        at = next((i for i, callback in enumerate(callbacks) if isinstance(callback, Checkpoint)), len(callbacks))
+        callbacks.insert(at, AdaptiveRebalancer(verbose=False))
+        rank_zero_info("hetero: `cpu_fraction='auto'`: an AdaptiveRebalancer gives the CPU the share it earns.")
 
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""

@@ -23,11 +23,15 @@ torch.set_num_threads(1)
 
 
 def hetero(**kwargs: Any) -> HeteroStrategy:
-    """A hetero strategy on emulated CPU stages, forked, with a short collective timeout."""
+    """A hetero strategy on emulated CPU stages, forked, with a short collective timeout. Its CPU
+    fraction stays where it starts (`cpu_fraction="auto"`'s start, each process's fair share of
+    the cores) unless a test asks for "auto", which moves it while training."""
     kwargs.setdefault("start_method", "fork")
     kwargs.setdefault("stages", ["cpu", "cpu"])
     kwargs.setdefault("micro_batches", 2)
     kwargs.setdefault("timeout", TIMEOUT)
+    if "plan" not in kwargs and "cpu_fraction" not in kwargs:
+        kwargs["cpu_fraction"] = HeteroStrategy(**kwargs).cpu_fraction
     return HeteroStrategy(**kwargs)
 
 

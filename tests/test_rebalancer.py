@@ -450,6 +450,44 @@ def test_resume_continues_with_the_same_fraction_and_parameters(tmp_path: Path) 
     assert max_param_diff(plain, resumed) < TOL and max_param_diff(whole, resumed) < TOL
 
 
+def test_the_default_fraction_is_the_share_the_cpu_earns(tmp_path: Path) -> None:
+    """`cpu_fraction="auto"` (the default): with no rebalancer of the user's, the strategy adds one
+    with its defaults, which measures the CPU from the first steps and gives it its share."""
+    speed = {"cpu": DECIDING_PIPELINE, "pipeline": DECIDING_PIPELINE}
+    strategy = hetero(micro_batches=MICRO, cpu_fraction="auto", emulated_speed=speed)
+    steps = 40  # the defaults' windows: a baseline (10 steps), a probe (4), then a decision every 10
+    trainer(strategy, tmp_path, max_steps=steps, callbacks=[RecordFractions(tmp_path / "f")]).fit(Net(), data(steps))
+    fractions = json.loads((tmp_path / "f").read_text())
+    rows = decisions(tmp_path)
+    assert [row["rebalancer/reason"] for row in rows[:2]] == [REASONS.index("baseline"), REASONS.index("probe")]
+    assert fractions[:10] == [0.0] * 10 and fractions[10] == pytest.approx(1 / 3, abs=0.02)  # the fair share (on the grid), probed
+    assert abs(fractions[-1] - 0.5) <= 0.05, fractions  # as fast as the pipeline: half of every batch
+
+
+def test_the_default_fraction_drops_a_cpu_that_cannot_help(tmp_path: Path) -> None:
+    speed = {"cpu": DECIDING_PIPELINE / 50, "pipeline": DECIDING_PIPELINE}
+    strategy = hetero(micro_batches=MICRO, cpu_fraction="auto", emulated_speed=speed)
+    small = DataLoader(data(24).dataset, batch_size=12)  # a short probe: the CPU's 4 samples take 0.8 s
+    trainer(strategy, tmp_path, max_steps=24, callbacks=[RecordFractions(tmp_path / "f")]).fit(Net(), small)
+    fractions = json.loads((tmp_path / "f").read_text())
+    assert fractions[10:14] == [pytest.approx(1 / 3, abs=0.1)] * 4 and fractions[14:] == [0.0] * 10, fractions
+    assert decisions(tmp_path)[2]["rebalancer/reason"] in (REASONS.index("cpu-would-slow"), REASONS.index("cpu-did-not-help"))
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.25, "auto-with-mine"])
+def test_a_given_fraction_or_rebalancer_is_kept(tmp_path: Path, cpu_fraction: Any) -> None:
+    """An explicit fraction stays as given; a rebalancer of the user's is the only one."""
+    mine = cpu_fraction == "auto-with-mine"
+    strategy = hetero(micro_batches=MICRO, cpu_fraction="auto" if mine else cpu_fraction)
+    callbacks: list = [RecordFractions(tmp_path / "f")] + [AdaptiveRebalancer(every_n_steps=4, warmup_steps=1)] * mine
+    trainer(strategy, tmp_path, max_steps=12, callbacks=callbacks).fit(Net(), data(12))
+    fractions = json.loads((tmp_path / "f").read_text())
+    if mine:
+        assert [row["step"] for row in decisions(tmp_path)][:2] == [0, 4]  # its every_n_steps, not the default's
+    else:
+        assert fractions == [0.25] * 12 and not decisions(tmp_path)
+
+
 def test_does_nothing_without_cpu_workers(tmp_path: Path) -> None:
     strategy = hetero(cpu_workers=0, micro_batches=MICRO)
     trainer(strategy, tmp_path, max_steps=4, callbacks=[AdaptiveRebalancer(every_n_steps=1, warmup_steps=0)]).fit(
