@@ -61,6 +61,9 @@ __all__ = [
     "offload_plan",
     "split_cores",
     "plan_run",
+    "plan_replicas",
+    "predict_replicas",
+    "compare_layouts",
     "predict",
     "predict_plan",
     "step_method_rate",
@@ -144,6 +147,10 @@ class Prediction:
     """Per profile role that steps (``"stage0"``, ..., ``"cpu"`` for the CPU workers), when its
     optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them. Stages
     that share a role (a hypothetical machine's GPUs) give the last one's."""
+
+    def memory_fits(self, memory: Sequence[Optional[float]]) -> bool:
+        """Whether every device's bytes fit its memory (``None``: unlimited)."""
+        return all(m is None or need <= m for need, m in zip(self.memory, memory))
 
 
 @dataclass
@@ -456,6 +463,7 @@ def plan_run(
     if mode == "fine":
         offload = offload_plan(profile, machine, bounds, pipeline_samples / m if pipeline_samples else 0.0, bucket_size_mb)
     plan = HeteroPlan(
+        parallelism="pipeline",
         mode=mode,
         stages=list(machine.stage_names),
         boundaries=[start for start, _ in bounds[1:]],
@@ -469,6 +477,112 @@ def plan_run(
         predicted_step_s=prediction.step_s,
     )
     return plan, prediction
+
+
+def plan_replicas(
+    profile: Profile, machine: Machine, batch_size: int, mode: Literal["coarse", "fine"] = "coarse", bucket_size_mb: float = 25.0
+) -> tuple[HeteroPlan, Prediction]:
+    """The fastest layout of replicas (``parallelism="replicas"``: every device and CPU worker holds
+    the whole model) the cost model finds for ``batch_size`` samples per step: the devices' share."""
+    shares = range(0, batch_size + 1) if machine.cpu_workers else range(batch_size, batch_size + 1)
+    fits = [
+        (prediction, samples)
+        for samples in shares
+        if (prediction := predict_replicas(profile, machine, batch_size, samples, mode)).memory_fits(machine.memory)
+    ]
+    if not fits:
+        raise ValueError("No layout of replicas fits: the whole model exceeds some device's memory.")
+    prediction, samples = min(fits, key=lambda fit: fit[0].step_s)
+    plan = HeteroPlan(
+        parallelism="replicas",
+        mode=mode,
+        stages=list(machine.stage_names),
+        micro_batches=1,
+        cpu_workers=machine.cpu_workers,
+        cpu_threads=machine.cpu_threads,
+        cpu_fraction=1 - samples / batch_size,
+        offload=[],
+        bucket_size_mb=bucket_size_mb,
+        predicted_step_s=prediction.step_s,
+    )
+    return plan, prediction
+
+
+def compare_layouts(
+    profile: Profile,
+    machine: Machine,
+    batch_size: int,
+    mode: Literal["coarse", "fine"] = "coarse",
+    schedule: str = "GPipe",
+    max_micro_batches: int = 8,
+    bucket_size_mb: float = 25.0,
+) -> dict[str, tuple[HeteroPlan, Prediction]]:
+    """The best plan of each parallelism that fits, by name (``"pipeline"``: ``plan_run``;
+    ``"replicas"``: ``plan_replicas``), fastest first. Raises ``ValueError`` where neither fits."""
+    found: dict[str, tuple[HeteroPlan, Prediction]] = {}
+    errors = []
+    for name, planner in (
+        ("pipeline", lambda: plan_run(profile, machine, batch_size, mode, schedule, max_micro_batches, bucket_size_mb)),
+        ("replicas", lambda: plan_replicas(profile, machine, batch_size, mode, bucket_size_mb)),
+    ):
+        try:
+            found[name] = planner()
+        except ValueError as error:
+            errors.append(str(error))
+    if not found:
+        raise ValueError(" ".join(errors))
+    return dict(sorted(found.items(), key=lambda item: item[1][1].step_s))
+
+
+def predict_replicas(
+    profile: Profile, machine: Machine, batch_size: int, device_samples: int, mode: str = "coarse"
+) -> Prediction:
+    """The cost model's step time for replicas: each device computes its even part of
+    ``device_samples`` with the whole model (``Shares.device_part``), the CPU workers the rest; then
+    one sum of the whole model's gradients between every replica with a share, and every replica
+    steps the whole model. The same tables as a pipeline's (``predict``), without stages."""
+    cpu_samples = batch_size - device_samples
+    share = bool(cpu_samples and machine.cpu_workers)
+    machine, threads, capacity = _layout(profile, machine, share)
+    everything = range(len(profile.layers))
+    count = len(machine.stages)
+    parts = [device_samples // count + (1 if i < device_samples % count else 0) for i in range(count)]
+    costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
+    devices = [cost.micro_batch(everything, n) + profile.step_method_s_per_sample * n if n else 0.0 for cost, n in zip(costs, parts)]
+    workers = machine.cpu_workers if share else 0
+    cpu = 0.0
+    if share:
+        per_worker = math.ceil(cpu_samples / machine.cpu_workers)
+        cpu = profile.devices["cpu"].layer_time(everything, per_worker) / machine.cpu_speed
+        cpu += profile.step_method_s_per_sample * per_worker
+    params = sum(layer.params for layer in profile.layers)
+    model_bytes = sum(layer.param_bytes for layer in profile.layers)
+    summing = workers + sum(1 for n in parts if n)
+    sync = machine.sync.time(model_bytes) if summing > 1 else 0.0
+    device_steps = [params * profile.devices[role].optimizer_s_per_param / speed for role, speed in zip(machine.stages, machine.stage_speed)]
+    cpu_step = params * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed if share else 0.0
+    cores = share_cores([[Task(t)] for t in devices] + [[Task(cpu)]] * workers, threads, capacity)
+    steps = finish_times([[Task(t)] for t in device_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
+    optimizer = max(steps, default=0.0)
+    optimizer_by_role = dict(zip(machine.stages, steps))
+    if workers:
+        optimizer_by_role["cpu"] = steps[-1]
+    tail = sync + optimizer
+    if mode == "fine" and device_samples:
+        # Hidden behind the backward, which the devices end with.
+        tail = max(0.0, tail - min(cost.times.backward_time(everything, n) / cost.speed for cost, n in zip(costs, parts) if n))
+    return Prediction(
+        step_s=max([*devices, cpu, cores]) + tail + profile.step_overhead_s,
+        pipeline_s=max(devices),
+        cpu_s=cpu,
+        cores_s=cores,
+        sync_s=sync,
+        optimizer_s=optimizer,
+        optimizer_by_role=optimizer_by_role,
+        bubble=0.0,
+        memory=[_stage_memory(profile, everything, n) for n in parts],
+        overhead_s=profile.step_overhead_s,
+    )
 
 
 def offload_plan(
@@ -637,13 +751,21 @@ def calibrated_optimizer_rates(
     return {role: profile.devices[role].optimizer_s_per_param for role in sorted(scaled)}
 
 
-def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured_step_s: Optional[float] = None) -> str:
+def explain(
+    profile: Profile,
+    plan: HeteroPlan,
+    prediction: Prediction,
+    measured_step_s: Optional[float] = None,
+    alternative: Optional[tuple[HeteroPlan, Prediction]] = None,
+) -> str:
     """A table: per layer, its time on each profiled device and the stage it was placed on;
-    then the predicted step (and the measured one, once training has run)."""
+    then the predicted step (and the measured one, once training has run), and the best layout of
+    the other parallelism (``alternative``, from ``compare_layouts``) beside it."""
     roles = list(profile.devices)
     names = [layer.name for layer in profile.layers]
     bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) == 1 else [])
     stage_of = {i: s for s, (start, stop) in enumerate(bounds) for i in range(start, stop)}
+    everywhere = "every device" if plan.parallelism == "replicas" else "-"
     u = profile.batch_size / plan.micro_batches
     header = f"{'layer':<24} {'params':>10} " + " ".join(f"{role + ' ms':>12}" for role in roles) + "  placed on"
     rows = [header, "-" * len(header)]
@@ -655,11 +777,11 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
 
     for i, layer in enumerate(profile.layers):
         times = " ".join(f"{block_time(role, i) * 1e3:12.3f}" for role in roles)
-        where = f"stage {stage_of[i]} ({plan.stages[stage_of[i]]})" if i in stage_of else "-"
+        where = f"stage {stage_of[i]} ({plan.stages[stage_of[i]]})" if i in stage_of else everywhere
         rows.append(f"{layer.name[:24]:<24} {layer.params:>10} {times}  {where}")
     if profile.layers:
         times = " ".join(f"{profile.devices[role].loss_step_time(u) * 1e3:12.3f}" for role in roles)
-        where = f"stage {stage_of[last]} ({plan.stages[stage_of[last]]})" if last in stage_of else "-"
+        where = f"stage {stage_of[last]} ({plan.stages[stage_of[last]]})" if last in stage_of else everywhere
         rows.append(f"{'(pipeline_loss)':<24} {0:>10} {times}  {where}")
     rows.append("")
     rows.append(
@@ -673,6 +795,14 @@ def explain(profile: Profile, plan: HeteroPlan, prediction: Prediction, measured
     if measured_step_s is not None:
         error = measured_step_s / prediction.step_s - 1
         rows.append(f"measured step {measured_step_s * 1e3:.2f} ms ({error:+.0%} vs predicted)")
+    if alternative is not None:
+        other, predicted = alternative
+        what = "the whole model on every device" if other.parallelism == "replicas" else "the blocks cut into stages"
+        rows.append(
+            f"parallelism={other.parallelism!r} ({what}): predicted step {predicted.step_s * 1e3:.2f} ms,"
+            f" {predicted.step_s / prediction.step_s:.2f}x this plan's, at CPU fraction {other.cpu_fraction:.3f};"
+            " memory per device: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in predicted.memory)
+        )
     return "\n".join(rows)
 
 
@@ -750,6 +880,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the profiled batch)")
     parser.add_argument("--mode", choices=["coarse", "fine"], default="coarse")
     parser.add_argument("--schedule", default="GPipe")
+    parser.add_argument(
+        "--parallelism",
+        choices=["pipeline", "replicas", "auto"],
+        default="pipeline",
+        help="what the GPUs hold: pipeline stages, whole replicas, or whichever is predicted faster (auto)",
+    )
     parser.add_argument("--max-micro-batches", type=int, default=8)
     parser.add_argument("--bucket-size-mb", type=float, default=25.0)
     parser.add_argument("--save", default=None, help="write the plan here (YAML), to replay with HeteroStrategy(plan=...)")
@@ -770,14 +906,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.cpu_cores,
         )
         batch_size = args.batch_size or profile.batch_size
-        plan, prediction = plan_run(
+        layouts = compare_layouts(
             profile, machine, batch_size, args.mode, args.schedule, args.max_micro_batches, args.bucket_size_mb
         )
+        chosen = next(iter(layouts)) if args.parallelism == "auto" else args.parallelism
+        if chosen not in layouts:
+            raise ValueError(f"No layout of {chosen} fits this machine's memory.")
+        plan, prediction = layouts.pop(chosen)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     print(plan.table())
     print()
-    print(explain(profile, plan, prediction))
+    print(explain(profile, plan, prediction, alternative=next(iter(layouts.values()), None)))
     if args.save:
         print(f"\nplan written to {plan.save(args.save)}")
 

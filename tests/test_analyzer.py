@@ -26,7 +26,7 @@ from lightning_hetero.callbacks.analyzer import _machine, _shared_cores, fixed_c
 from lightning_hetero.planner import main as planner_main
 from lightning_hetero.planner import predict_plan
 from lightning_hetero.profiling import Profile
-from tests.conftest import TIMEOUT, hetero, trainer
+from tests.conftest import TIMEOUT, hetero, max_param_diff, trainer
 from tests.models import column, read_metrics, regression_data
 from tests.test_equivalence import STEPS, assert_same_run
 
@@ -162,6 +162,28 @@ def test_where_the_run_leaves_the_plans_fraction_the_analyzer_follows(tmp_path: 
     assert step == elsewhere + measure  # logged after the measured steps' end
 
 
+def test_the_replicas_best_layout_is_weighed_beside_the_pipeline_and_replays(tmp_path: Path) -> None:
+    """The analyzer plans the pipeline the run is, and predicts the best layout of replicas for the
+    same devices beside it (explain.txt, plan_replicas.yaml); that plan replays as replicas and
+    trains the model one process trains."""
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
+    logs = tmp_path / "logs"
+    trainer(hetero(stages=["cpu", "cpu"], micro_batches=1), logs, max_steps=WARMUP + 1, callbacks=[analyzer]).fit(
+        _net(), regression_data()
+    )
+    explained = (logs / "explain.txt").read_text()
+    assert "parallelism='replicas' (the whole model on every device): predicted step" in explained
+    replicas = HeteroPlan.load(logs / "plan_replicas.yaml")
+    assert (replicas.parallelism, replicas.stages, replicas.micro_batches) == ("replicas", ["cpu", "cpu"], 1)
+    assert replicas.predicted_step_s is not None and replicas.predicted_step_s > 0
+    plain = _net()
+    trainer(None, max_steps=8).fit(plain, regression_data())
+    replayed = _net()
+    strategy = HeteroStrategy(plan=logs / "plan_replicas.yaml", start_method="fork", timeout=TIMEOUT)
+    trainer(strategy, max_steps=8).fit(replayed, regression_data())
+    assert max_param_diff(plain, replayed) < 1e-10
+
+
 def test_batches_that_accumulate_are_not_timed_as_optimizer_steps(tmp_path: Path) -> None:
     analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
     out = tmp_path / "layout"
@@ -212,6 +234,10 @@ def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsy
     plan = HeteroPlan.load(saved)
     assert plan.stages == [f"cuda:{i}" for i in range(4)] and len(plan.boundaries) == 3
     assert "predicted step" in printed and "bubble" in printed and "cuda:3" in printed
+    assert "parallelism='replicas' (the whole model on every device)" in printed  # weighed beside it
+    planner_main([*args[:-2], "--parallelism", "auto", "--save", str(tmp_path / "best.yaml")])
+    best = HeteroPlan.load(tmp_path / "best.yaml")
+    assert plan.parallelism == "pipeline" and best.predicted_step_s <= plan.predicted_step_s  # the faster one
     with pytest.raises(SystemExit):
         planner_main([str(tmp_path / "missing.json")])
     assert "missing.json" in capsys.readouterr().err

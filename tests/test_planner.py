@@ -16,6 +16,8 @@ from lightning_hetero.planner import (
     Task,
     partition,
     pipeline_tasks,
+    compare_layouts,
+    plan_replicas,
     plan_run,
     predict,
     predict_plan,
@@ -139,6 +141,48 @@ def test_micro_batches_and_cpu_share_are_the_best_the_model_allows(cpu_slowdown:
     assert repredicted.step_s == pytest.approx(best + 0.45)
     assert repredicted.step_s - repredicted.overhead_s == pytest.approx(prediction.step_s - prediction.overhead_s)
     assert (replanned.micro_batches, replanned.cpu_fraction) == (plan.micro_batches, plan.cpu_fraction)
+
+
+@pytest.mark.parametrize("cpu_slowdown", [0.5, 1.0, 3.0, 50.0])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_replicas_take_the_best_share_the_model_allows(cpu_slowdown: float, devices: int) -> None:
+    """Brute force over the devices' share: each device computes its even part with the whole model,
+    the CPU worker the rest, then one sum of the whole model between the replicas with a share."""
+    per_sample, batch = [0.2, 0.3, 0.1, 0.4], 16
+    prof = profile(per_sample, stages=devices, cpu_slowdown=cpu_slowdown)
+    prof.step_overhead_s = 0.05
+    mach = machine(devices)
+    mach.sync = LinkProfile(latency=0.02, bytes_per_s=1e9)
+
+    def step(on_devices: int) -> float:
+        parts = [on_devices // devices + (i < on_devices % devices) for i in range(devices)]
+        compute = max([sum(per_sample) * n for n in parts] + [sum(per_sample) * cpu_slowdown * (batch - on_devices)])
+        summing = sum(n > 0 for n in parts) + (on_devices < batch)
+        sync = mach.sync.time(4 * sum(layer.params for layer in prof.layers)) if summing > 1 else 0.0
+        return compute + sync + 0.05
+
+    best = min(step(n) for n in range(batch + 1))
+    plan, prediction = plan_replicas(prof, mach, batch)
+    assert prediction.step_s == pytest.approx(best) and plan.predicted_step_s == pytest.approx(best)
+    assert step(round((1 - plan.cpu_fraction) * batch)) == pytest.approx(best)
+    assert (plan.parallelism, plan.micro_batches, plan.boundaries, prediction.bubble) == ("replicas", 1, [], 0.0)
+    assert prediction.memory == [pytest.approx(4 * 4 * sum(layer.params for layer in prof.layers))] * devices
+    if cpu_slowdown == 50.0:
+        assert plan.cpu_fraction == 0.0
+
+
+def test_pipeline_or_replicas_whichever_is_faster_and_fits() -> None:
+    """Two equal devices: replicas have no bubble, so they win where the whole model fits a device;
+    where it does not, only the pipeline is left."""
+    prof = profile([0.2, 0.3, 0.1, 0.4], stages=2, cpu_slowdown=50.0)
+    both = compare_layouts(prof, machine(2), 16, max_micro_batches=4)
+    assert list(both) == ["replicas", "pipeline"]
+    assert both["replicas"][1].step_s < both["pipeline"][1].step_s
+    half = 4 * 4 * 2000 + 1.0  # weights, gradients and Adam's moments of two of the four layers
+    tight = compare_layouts(prof, machine(2, memory=[half, half]), 16, max_micro_batches=4)
+    assert list(tight) == ["pipeline"]
+    with pytest.raises(ValueError, match="No layout of replicas fits"):
+        plan_replicas(prof, machine(2, memory=[half, half]), 16)
 
 
 def test_a_cpu_far_slower_than_the_pipeline_gets_nothing() -> None:

@@ -36,7 +36,7 @@ from lightning_hetero.planner import (
     Prediction,
     calibrated_optimizer_rates,
     explain,
-    plan_run,
+    compare_layouts,
     predict_plan,
     split_cores,
     step_method_rate,
@@ -122,6 +122,8 @@ class WorkloadAnalyzer(L.Callback):
         self.save_dir = save_dir
         self.plan: Optional[HeteroPlan] = None
         self.prediction: Optional[Prediction] = None
+        self.alternative: Optional[tuple[HeteroPlan, Prediction]] = None
+        """The best layout of replicas for the same run and its prediction, where one fits."""
         self.profile: Optional[Profile] = None
         self.measured_step_s: Optional[float] = None
         self._calibrated = False
@@ -159,9 +161,9 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            result = [self._plan(trainer, strategy, parts, batch_size)]
+            result = [(*self._plan(trainer, strategy, parts, batch_size), self.alternative)]
         dist.broadcast_object_list(result, src=0, group=control)
-        self.plan, self.prediction, self.profile = result[0]
+        self.plan, self.prediction, self.profile, self.alternative = result[0]
         return self.plan
 
     def _measure(
@@ -354,7 +356,7 @@ class WorkloadAnalyzer(L.Callback):
             shared_cores=_shared_cores(parts, cores),
         )
         topology = strategy.topology
-        plan, prediction = plan_run(
+        layouts = compare_layouts(
             profile,
             _machine(strategy, profile),
             batch_size,
@@ -363,7 +365,13 @@ class WorkloadAnalyzer(L.Callback):
             max_micro_batches=self.max_micro_batches,
             bucket_size_mb=strategy.plan.bucket_size_mb,
         )
-        plan.parallelism = strategy.plan.parallelism  # the analyzer plans pipelines
+        # The run's processes and groups are a pipeline's already: the analyzer plans it, and
+        # weighs the replicas' best layout beside it (`explanation`, `plan_replicas.yaml`).
+        if "pipeline" not in layouts:
+            raise ValueError("No pipeline layout fits: every cut of the layers exceeds some stage's memory.")
+        plan, prediction = layouts.pop("pipeline")
+        plan.parallelism = strategy.plan.parallelism
+        self.alternative = layouts.get("replicas")
         cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
         workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
         if workers:
@@ -410,6 +418,15 @@ class WorkloadAnalyzer(L.Callback):
             table = self.explanation()
             (directory / "explain.txt").write_text(table + "\n")
             rank_zero_info(f"WorkloadAnalyzer plan (also in {directory}):\n{self.plan.table()}\n\n{table}")
+            if self.alternative is not None:
+                other, predicted = self.alternative
+                other.save(directory / "plan_replicas.yaml")
+                if predicted.step_s < 0.9 * self.prediction.step_s:
+                    rank_zero_info(
+                        f"WorkloadAnalyzer: replicas of the whole model are predicted {self.prediction.step_s / predicted.step_s:.2f}x"
+                        f" as fast as this pipeline; to train that way, pass `plan='{directory / 'plan_replicas.yaml'}'`"
+                        " (or `parallelism='replicas'`)."
+                    )
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -511,7 +528,7 @@ class WorkloadAnalyzer(L.Callback):
         """Per layer: its time on each device and where it was placed; the predicted step time, and
         the measured one once training has run."""
         assert self.profile is not None and self.plan is not None and self.prediction is not None
-        return explain(self.profile, self.plan, self.prediction, self.measured_step_s)
+        return explain(self.profile, self.plan, self.prediction, self.measured_step_s, self.alternative)
 
     def _directory(self, trainer: L.Trainer) -> Path:
         """Where the plan goes; a collective (``trainer.log_dir``): call it on every rank."""
