@@ -12,8 +12,9 @@ statistics, as with Lightning's DDP:
   one device, not equal.
 - **Whole batch** (``Trainer(sync_batchnorm=True)``): each BatchNorm layer becomes a
   ``WholeBatchNorm``, which sums the per-channel counts, sums and sums of squares of every
-  replica's share (a collective over the replicas that have a share this step) and normalizes
-  with the statistics of the whole batch; its backward sums the two per-channel terms of the
+  replica's share (a collective over the replicas that have a share this step, on every node) and
+  normalizes with the statistics of the whole batch (the global batch with several nodes, as DDP's
+  ``SyncBatchNorm`` takes them); its backward sums the two per-channel terms of the
   input's gradient the same way. Outputs, gradients and running buffers are then one device's,
   as torch's ``SyncBatchNorm`` does on GPUs (which refuses CPU tensors). After the run the layers
   are BatchNorm again (``revert``).
@@ -214,14 +215,18 @@ class ReplicaNorm:
         if self.whole:
             convert(self.module, self.stats)
 
-    def before(self, shares: Any) -> None:
-        """Whole-batch mode: the group this step's statistics are summed over."""
+    def before(self, shares: Any, training: bool = True) -> None:
+        """Whole-batch mode: the group this step's statistics are summed over. An evaluation step
+        normalizes with the running statistics, and needs none (unless a layer keeps none)."""
         if not self.whole:
+            return
+        if not training and all(m.track_running_stats for m in self.module.modules() if isinstance(m, _BatchNorm)):
+            self.stats.group = None
             return
         parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
         has_share = tuple(stop > start for start, stop in parts)
         cpus, devices = has_share[: len(shares.cpu)], has_share[len(shares.cpu) :]
-        if sum(cpus) + sum(devices) <= 1:
+        if sum(cpus) + sum(devices) <= 1 and self.num_nodes == 1:
             self.stats.group = None
             return
         key = (cpus, devices)

@@ -455,17 +455,15 @@ class HeteroStrategy(ParallelStrategy):
 
         everyone = group()
         groups: dict = {}
-        for node in range(topology.num_nodes) if whole else []:
-            ranks = topology.node_ranks(node)
-            sets = {((True,) * cpus, (True,) * devices): ranks}
-            if devices > 1:
-                sets[((False,) * cpus, (True,) * devices)] = ranks[cpus:]
-            if cpus > 1:
-                sets[((True,) * cpus, (False,) * devices)] = ranks[:cpus]
-            for key, members in sets.items():
-                made = group(members)
-                if node == self.node_rank:
-                    groups[key] = made
+        # Every node's batch is split alike, so the replicas with a share are the same on every
+        # node: the statistics are the whole global batch's, as DDP's SyncBatchNorm takes them.
+        sets = {((True,) * cpus, (True,) * devices): (0, cpus + devices)}
+        if devices * topology.num_nodes > 1:
+            sets[((False,) * cpus, (True,) * devices)] = (cpus, cpus + devices)
+        if cpus * topology.num_nodes > 1:
+            sets[((True,) * cpus, (False,) * devices)] = (0, cpus)
+        for key, (start, stop) in sets.items() if whole else ():
+            groups[key] = group([r for node in range(topology.num_nodes) for r in topology.node_ranks(node)[start:stop]])
         return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
 
     def _build_sync(self) -> GradSync:

@@ -355,7 +355,7 @@ class _WholeModel(Worker):
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = self._range(shares)
         if self.norm is not None:
-            self.norm.before(shares)
+            self.norm.before(shares, training=False)
         if start == stop:
             return WorkerReport(), None
         return self._run_step(method, self._on_device(slice_batch(batch, start, stop)), rest, stop - start, shares.batch_size)

@@ -23,7 +23,8 @@ restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays 
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
-`--model replicas` trains `Net` as replicas (`parallelism="replicas"`).
+`--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
+`BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`).
 """
 
 import argparse
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hetero.callbacks import WorkloadAnalyzer  # noqa: E402
 from tests.conftest import Fault, hetero, trainer  # noqa: E402
-from tests.models import Net, TiedNet, regression_data  # noqa: E402
+from tests.models import BatchNormNet, Net, TiedNet, regression_data  # noqa: E402
 
 
 class WritePid(L.Callback):
@@ -62,13 +63,13 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
-    parser.add_argument("--model", choices=["net", "tied", "replicas"], default="net")
+    parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     args = parser.parse_args()
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
-    model = (TiedNet if args.model == "tied" else Net)(seed=None if args.unseeded else 0)
+    model = {"tied": TiedNet, "batchnorm": BatchNormNet}.get(args.model, Net)(seed=None if args.unseeded else 0)
     model = model.to(torch.float64 if args.resume else torch.float32)
     layout = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
-    if args.model == "replicas":
+    if args.model in ("replicas", "batchnorm"):
         layout["parallelism"] = "replicas"
     start_method = "popen" if args.popen else "fork"
     strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method=start_method, **layout)
@@ -84,6 +85,7 @@ def main() -> None:
         strategy,
         max_steps=8 if args.num_nodes == 1 else 6,
         num_nodes=args.num_nodes,
+        sync_batchnorm=args.model == "batchnorm",
         callbacks=callbacks,
         enable_checkpointing=bool(args.resume),
     )

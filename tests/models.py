@@ -311,6 +311,14 @@ class PipelinedGPT2(PipelineModule, TinyGPT2):
         return self.model.loss_function(output, target, vocab_size=self.model.config.vocab_size)
 
 
+class BatchNormNet(Net):
+    """`Net` with a BatchNorm layer after its first block (it trains as replicas, not in a pipeline)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layers[1] = nn.Sequential(nn.BatchNorm1d(16), nn.Tanh())
+
+
 class TiedNet(Net):
     """`Net` whose output head reuses the first layer's weight (transposed), so the two uses of one
     parameter are four blocks apart: on different stages with two or three of them."""

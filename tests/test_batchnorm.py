@@ -166,3 +166,11 @@ def test_a_resnet_resumes_exactly_with_whole_batch_statistics(tmp_path: Path) ->
         resumed, image_data(), ckpt_path=str(tmp_path / "step=4.ckpt")
     )
     assert max_param_diff(plain, resumed) < TOL
+
+
+def test_whole_batch_statistics_refuse_a_batch_that_leaves_a_replica_without_a_share() -> None:
+    """Two samples for three replicas (a CPU worker and two devices): one replica has none, and the
+    statistics cannot be summed over only some of them; the run ends with what to change."""
+    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.5, parallelism="replicas")
+    with pytest.raises(Exception, match="batches of at least one sample per replica"):
+        trainer(strategy, max_steps=1, sync_batchnorm=True).fit(TinyResNet(), image_data(n=2, batch_size=2))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
-from tests.models import Net, TiedNet, regression_data
+from tests.models import BatchNormNet, Net, TiedNet, regression_data
 
 TOL = 1e-10
 SCRIPT = Path(__file__).with_name("external_launch.py")
@@ -157,6 +158,24 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str, model: 
     assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
     assert_every_rank_holds_the_model(tmp_path, ranks=6)  # on both nodes
     assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
+
+
+def test_two_nodes_of_replicas_take_batchnorm_statistics_over_the_global_batch(tmp_path: Path) -> None:
+    """With `sync_batchnorm=True`, the statistics span both nodes' batches, as DDP's SyncBatchNorm
+    takes them: the run is one process's on batches of both nodes' samples together."""
+    data = regression_data(n=48).dataset
+    batches = []
+    for epoch in range(3):  # each node's batches of 12 as its DistributedSampler gives them, both in one batch
+        nodes = [DistributedSampler(data, num_replicas=2, rank=node, shuffle=True, seed=0) for node in (0, 1)]
+        for sampler in nodes:
+            sampler.set_epoch(epoch)
+        order = [list(sampler) for sampler in nodes]
+        batches += [order[0][k : k + 12] + order[1][k : k + 12] for k in (0, 12)]
+    plain = BatchNormNet()
+    trainer(None, max_steps=6).fit(plain, DataLoader(data, batch_sampler=batches))
+    assert torchrun_nodes([str(SCRIPT), str(tmp_path), "--num-nodes=2", "--model=batchnorm"]) == [0, 0]
+    assert max_param_diff(plain.state_dict(), torch.load(tmp_path / "state.pt")) < TOL  # running statistics too
+    assert_every_rank_holds_the_model(tmp_path, ranks=6)
 
 
 def test_a_fit_after_a_validate_in_the_same_processes_keeps_their_layout(tmp_path: Path, reference: dict) -> None:
