@@ -632,8 +632,11 @@ def split_cores(cores: int, cpu_workers: int, stages_on_cpu: int, load_s: float,
 
 def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_size: Optional[int] = None) -> Prediction:
     """The cost model's step time for the layout ``plan`` describes (at the profile's batch size
-    unless told), as ``plan_run`` predicts it."""
+    unless told), as ``plan_run`` (or, for replicas, ``plan_replicas``) predicts it."""
     batch_size = batch_size or profile.batch_size
+    if plan.parallelism == "replicas":
+        devices = split_batch(batch_size, plan.cpu_fraction, plan.cpu_workers, 1).pipeline_size
+        return predict_replicas(profile, machine, batch_size, devices, plan.mode)
     names = [layer.name for layer in profile.layers]
     bounds = plan.cut(names) or partition(profile, machine, batch_size / plan.micro_batches, plan.micro_batches, plan.schedule)
     shares = split_batch(batch_size, plan.cpu_fraction, plan.cpu_workers, plan.micro_batches)

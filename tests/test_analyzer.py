@@ -184,6 +184,35 @@ def test_the_replicas_best_layout_is_weighed_beside_the_pipeline_and_replays(tmp
     assert max_param_diff(plain, replayed) < 1e-10
 
 
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_run_of_replicas_is_planned_from_its_blocks(tmp_path: Path, mode: str) -> None:
+    """A model that offers blocks, trained as replicas: the analyzer profiles its blocks, sizes the
+    CPU's share for replicas, weighs the pipeline beside it, and the run is one process's."""
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    strategy = hetero(mode=mode, stages=["cpu", "cpu"], parallelism="replicas")
+    assert_same_run(tmp_path, strategy, callbacks=[analyzer, RecordPlan(layout)])
+    plan = HeteroPlan(**layouts(layout)[0]["plan"])
+    assert (plan.parallelism, plan.micro_batches, plan.boundaries) == ("replicas", 1, [])
+    assert all(r["plan"] == layouts(layout)[0]["plan"] for r in layouts(layout))
+    assert HeteroPlan.load(tmp_path / "hetero" / "plan.yaml") == plan
+    assert HeteroPlan.load(tmp_path / "hetero" / "plan_pipeline.yaml").parallelism == "pipeline"
+    explained = (tmp_path / "hetero" / "explain.txt").read_text()
+    assert "every device" in explained and "parallelism='pipeline' (the blocks cut into stages)" in explained
+
+
+def test_a_model_without_blocks_keeps_its_layout(tmp_path: Path) -> None:
+    from tests.models import TwoPass
+
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=WARMUP, measure_steps=1, save_dir=str(tmp_path))
+    run = trainer(hetero(cpu_fraction=0.5, parallelism="replicas"), max_steps=2, callbacks=[analyzer])
+    with pytest.warns(UserWarning, match="offers none: it trains as its layout sets"):
+        analyzer.setup(run, TwoPass(), "fit")  # as each process calls it
+    run.fit(TwoPass(), regression_data())
+    assert not list(tmp_path.iterdir())  # no plan
+
+
 def test_batches_that_accumulate_are_not_timed_as_optimizer_steps(tmp_path: Path) -> None:
     analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1)
     out = tmp_path / "layout"

@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hetero.data import training_loader
-from lightning_hetero.module import layer_names, pipeline_pair
+from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -123,7 +123,8 @@ class WorkloadAnalyzer(L.Callback):
         self.plan: Optional[HeteroPlan] = None
         self.prediction: Optional[Prediction] = None
         self.alternative: Optional[tuple[HeteroPlan, Prediction]] = None
-        """The best layout of replicas for the same run and its prediction, where one fits."""
+        """The best layout of the other parallelism (replicas beside a pipeline, or the reverse) for
+        the same run, and its prediction, where one fits."""
         self.profile: Optional[Profile] = None
         self.measured_step_s: Optional[float] = None
         self._calibrated = False
@@ -140,8 +141,11 @@ class WorkloadAnalyzer(L.Callback):
         if strategy is None or stage != TrainerFn.FITTING:
             return
         self._planned = False
-        if strategy.plan.parallelism == "replicas":
-            rank_zero_warn("WorkloadAnalyzer plans pipelines of blocks; this run trains replicas, as its layout sets.")
+        if strategy.plan.parallelism == "replicas" and not offers_blocks(pl_module):
+            rank_zero_warn(
+                "WorkloadAnalyzer profiles a model block by block (`pipeline_layers()`), and this one offers none: it"
+                " trains as its layout sets (with `cpu_fraction='auto'` the rebalancer finds the CPU's share)."
+            )
             self._planned = True  # nothing to plan
             return
         strategy.plan_with(self.plan_layout)
@@ -152,6 +156,8 @@ class WorkloadAnalyzer(L.Callback):
         self.prediction = self.profile = self.measured_step_s = None
         self._calibrated, self._steps, self._planned = False, [], True
         module = trainer.lightning_module
+        if strategy.plan.parallelism == "replicas":
+            layers = check_model_contract(module)  # replicas hold parameter blocks; the model's own blocks run
         batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
         mine = self._measure(strategy, module, layers, *pipeline_pair(module, batch), batch_size)
@@ -244,7 +250,7 @@ class WorkloadAnalyzer(L.Callback):
         layouts = {}
         if on_cpu > 1:
             layouts["shared"] = threads_for(role, topology, cores, strategy.plan.cpu_threads, cpu_share=True)
-        if role.is_stage:
+        if not role.is_cpu_worker:
             layouts["stages"] = threads_for(role, topology, cores, strategy.plan.cpu_threads, cpu_share=False)
         return layouts
 
@@ -318,12 +324,12 @@ class WorkloadAnalyzer(L.Callback):
         for group in groups.sync:
             if group is not None:
                 link = time_link(gradient_sum_over(group), cpu, sizes, repeats=self.repeats)
-                if strategy.role.is_stage:
+                if not strategy.role.is_cpu_worker:
                     links["sync"] = link
         if groups.stage is not None and strategy.role.is_stage and len(strategy.topology.stage_devices) > 1:
             device = strategy.root_device
             links["pipeline"] = time_link(all_reduce_over(groups.stage), device, repeats=self.repeats)
-        if strategy.root_device.type == "cuda" and strategy.role.is_stage:
+        if strategy.root_device.type == "cuda" and not strategy.role.is_cpu_worker:
             numel = max(1 << 16, min(1 << 24, layer_bytes // 4))
             pinned = torch.empty(numel, pin_memory=True)
             copy = lambda b: pinned[: b.numel()].copy_(b)  # noqa: E731
@@ -365,13 +371,14 @@ class WorkloadAnalyzer(L.Callback):
             max_micro_batches=self.max_micro_batches,
             bucket_size_mb=strategy.plan.bucket_size_mb,
         )
-        # The run's processes and groups are a pipeline's already: the analyzer plans it, and
-        # weighs the replicas' best layout beside it (`explanation`, `plan_replicas.yaml`).
-        if "pipeline" not in layouts:
-            raise ValueError("No pipeline layout fits: every cut of the layers exceeds some stage's memory.")
-        plan, prediction = layouts.pop("pipeline")
-        plan.parallelism = strategy.plan.parallelism
-        self.alternative = layouts.get("replicas")
+        # The run's processes and groups exist already, for its parallelism: the analyzer plans
+        # that, and weighs the other's best layout beside it (`explanation`, `plan_<other>.yaml`).
+        running = strategy.plan.parallelism
+        if running not in layouts:
+            what = "the whole model" if running == "replicas" else "every cut of the layers"
+            raise ValueError(f"No layout of {running} fits: {what} exceeds some device's memory.")
+        plan, prediction = layouts.pop(running)
+        self.alternative = next(iter(layouts.values()), None)
         cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
         workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
         if workers:
@@ -420,12 +427,12 @@ class WorkloadAnalyzer(L.Callback):
             rank_zero_info(f"WorkloadAnalyzer plan (also in {directory}):\n{self.plan.table()}\n\n{table}")
             if self.alternative is not None:
                 other, predicted = self.alternative
-                other.save(directory / "plan_replicas.yaml")
+                path = other.save(directory / f"plan_{other.parallelism}.yaml")
                 if predicted.step_s < 0.9 * self.prediction.step_s:
                     rank_zero_info(
-                        f"WorkloadAnalyzer: replicas of the whole model are predicted {self.prediction.step_s / predicted.step_s:.2f}x"
-                        f" as fast as this pipeline; to train that way, pass `plan='{directory / 'plan_replicas.yaml'}'`"
-                        " (or `parallelism='replicas'`)."
+                        f"WorkloadAnalyzer: parallelism={other.parallelism!r} is predicted"
+                        f" {self.prediction.step_s / predicted.step_s:.2f}x as fast as this layout; to train that way,"
+                        f" pass `plan='{path}'` (or `parallelism={other.parallelism!r}`)."
                     )
 
     @override
