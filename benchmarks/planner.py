@@ -9,7 +9,10 @@ by, made before training from the profile alone. Beside it, in the same run, the
 layout and with plain Lightning in one process, so the plan's worth is a ratio measured side by
 side. Configurations alternate; medians over repeats are reported.
 
-    python -m benchmarks.planner [--steps N] [--repeats R] [--recipes]
+With ``--replicas`` every run trains replicas (``parallelism="replicas"``): the analyzer plans
+the CPU's share for replicas of the same blocks, with its cost model for replicas.
+
+    python -m benchmarks.planner [--steps N] [--repeats R] [--recipes] [--replicas]
 """
 
 from __future__ import annotations
@@ -94,13 +97,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help=f"per run; the analyzer's warm-up takes {WARMUP}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--recipes", action="store_true", help="the recipes' models instead of the synthetic ones")
+    parser.add_argument("--replicas", action="store_true", help="train replicas of the blocks instead of pipelines")
     args = parser.parse_args()
+    parallelism = "replicas" if args.replicas else "pipeline"
 
     def strategy(stages: int) -> HeteroStrategy:
         # forkserver: workers must not fork from this process, which runs plain Lightning with threads.
         # The default layout's starting fraction, held (`cpu_fraction="auto"` would also rebalance it).
         fair = HeteroStrategy(stages=["cpu"] * stages).cpu_fraction
-        return HeteroStrategy(stages=["cpu"] * stages, cpu_fraction=fair, start_method="forkserver")
+        return HeteroStrategy(stages=["cpu"] * stages, cpu_fraction=fair, parallelism=parallelism, start_method="forkserver")
 
     def planned(model: Callable[[], L.LightningModule], loader: DataLoader, stages: int, into: list) -> list[float]:
         with tempfile.TemporaryDirectory() as tmp:

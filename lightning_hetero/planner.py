@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -462,21 +462,31 @@ def plan_run(
     offload: list[int] = []
     if mode == "fine":
         offload = offload_plan(profile, machine, bounds, pipeline_samples / m if pipeline_samples else 0.0, bucket_size_mb)
-    plan = HeteroPlan(
-        parallelism="pipeline",
-        mode=mode,
+    layout = dict(boundaries=[start for start, _ in bounds[1:]], micro_batches=m, schedule=schedule, offload=offload)
+    return _plan_of(machine, "pipeline", mode, bucket_size_mb, 1 - pipeline_samples / batch_size, prediction, **layout), prediction
+
+
+def _plan_of(
+    machine: Machine,
+    parallelism: str,
+    mode: str,
+    bucket_size_mb: float,
+    cpu_fraction: float,
+    prediction: Prediction,
+    **layout: Any,
+) -> HeteroPlan:
+    """The plan of a layout the planner chose on ``machine``."""
+    return HeteroPlan(
+        parallelism=parallelism,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
         stages=list(machine.stage_names),
-        boundaries=[start for start, _ in bounds[1:]],
-        micro_batches=m,
-        schedule=schedule,
         cpu_workers=machine.cpu_workers,
         cpu_threads=machine.cpu_threads,
-        cpu_fraction=1 - pipeline_samples / batch_size,
-        offload=offload,
+        cpu_fraction=cpu_fraction,
         bucket_size_mb=bucket_size_mb,
         predicted_step_s=prediction.step_s,
+        **layout,
     )
-    return plan, prediction
 
 
 def plan_replicas(
@@ -493,18 +503,7 @@ def plan_replicas(
     if not fits:
         raise ValueError("No layout of replicas fits: the whole model exceeds some device's memory.")
     prediction, samples = min(fits, key=lambda fit: fit[0].step_s)
-    plan = HeteroPlan(
-        parallelism="replicas",
-        mode=mode,
-        stages=list(machine.stage_names),
-        micro_batches=1,
-        cpu_workers=machine.cpu_workers,
-        cpu_threads=machine.cpu_threads,
-        cpu_fraction=1 - samples / batch_size,
-        offload=[],
-        bucket_size_mb=bucket_size_mb,
-        predicted_step_s=prediction.step_s,
-    )
+    plan = _plan_of(machine, "replicas", mode, bucket_size_mb, 1 - samples / batch_size, prediction, micro_batches=1, offload=[])
     return plan, prediction
 
 
