@@ -538,8 +538,8 @@ def predict_replicas(
 ) -> Prediction:
     """The cost model's step time for replicas: each device computes its even part of
     ``device_samples`` with the whole model (``Shares.device_part``), the CPU workers the rest; then
-    one sum of the whole model's gradients between every replica with a share, and every replica
-    steps the whole model. The same tables as a pipeline's (``predict``), without stages."""
+    one sum of the whole model's gradients between the device replicas and the CPU workers with a
+    share (one without keeps out), and each of them steps the whole model. The same tables as a pipeline's (``predict``), without stages."""
     cpu_samples = batch_size - device_samples
     share = bool(cpu_samples and machine.cpu_workers)
     machine, threads, capacity = _layout(profile, machine, share)
@@ -556,8 +556,8 @@ def predict_replicas(
         cpu += profile.step_method_s_per_sample * per_worker
     params = sum(layer.params for layer in profile.layers)
     model_bytes = sum(layer.param_bytes for layer in profile.layers)
-    summing = workers + sum(1 for n in parts if n)
-    sync = machine.sync.time(model_bytes) if summing > 1 else 0.0
+    # Every device replica sums (and steps), with a share or not; a CPU worker only with one.
+    sync = machine.sync.time(model_bytes) if count + workers > 1 else 0.0
     device_steps = [params * profile.devices[role].optimizer_s_per_param / speed for role, speed in zip(machine.stages, machine.stage_speed)]
     cpu_step = params * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed if share else 0.0
     cores = share_cores([[Task(t)] for t in devices] + [[Task(cpu)]] * workers, threads, capacity)
