@@ -533,6 +533,38 @@ def compare_layouts(
     return dict(sorted(found.items(), key=lambda item: item[1][1].step_s))
 
 
+def _cpu_share_time(profile: Profile, machine: Machine, cpu_samples: int) -> float:
+    """Each CPU worker's part of the CPU's share, with the whole model, the loss and the step
+    method's own work (the slowest worker's: the share split as evenly as samples allow)."""
+    per_worker = math.ceil(cpu_samples / machine.cpu_workers)
+    cpu = profile.devices["cpu"].layer_time(range(len(profile.layers)), per_worker) / machine.cpu_speed
+    return cpu + profile.step_method_s_per_sample * per_worker
+
+
+def _optimizer_steps(
+    profile: Profile,
+    machine: Machine,
+    device_params: Sequence[int],
+    cpu_params: int,
+    workers: int,
+    threads: Sequence[int],
+    capacity: Optional[float],
+) -> tuple[float, dict[str, float]]:
+    """When the last optimizer step ends, and per profile role when its own does: each device
+    steps its ``device_params``, each of ``workers`` CPU workers ``cpu_params`` (the whole model),
+    all played out on the shared cores (``finish_times``)."""
+    device_steps = [
+        n * profile.devices[role].optimizer_s_per_param / speed
+        for n, role, speed in zip(device_params, machine.stages, machine.stage_speed)
+    ]
+    cpu_step = cpu_params * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed if workers else 0.0
+    steps = finish_times([[Task(t)] for t in device_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
+    by_role = dict(zip(machine.stages, steps))
+    if workers:
+        by_role["cpu"] = steps[-1]
+    return max(steps, default=0.0), by_role
+
+
 def predict_replicas(
     profile: Profile, machine: Machine, batch_size: int, device_samples: int, mode: str = "coarse"
 ) -> Prediction:
@@ -549,23 +581,13 @@ def predict_replicas(
     costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
     devices = [cost.micro_batch(everything, n) + profile.step_method_s_per_sample * n if n else 0.0 for cost, n in zip(costs, parts)]
     workers = machine.cpu_workers if share else 0
-    cpu = 0.0
-    if share:
-        per_worker = math.ceil(cpu_samples / machine.cpu_workers)
-        cpu = profile.devices["cpu"].layer_time(everything, per_worker) / machine.cpu_speed
-        cpu += profile.step_method_s_per_sample * per_worker
+    cpu = _cpu_share_time(profile, machine, cpu_samples) if share else 0.0
     params = sum(layer.params for layer in profile.layers)
     model_bytes = sum(layer.param_bytes for layer in profile.layers)
     # Every device replica sums (and steps), with a share or not; a CPU worker only with one.
     sync = machine.sync.time(model_bytes) if count + workers > 1 else 0.0
-    device_steps = [params * profile.devices[role].optimizer_s_per_param / speed for role, speed in zip(machine.stages, machine.stage_speed)]
-    cpu_step = params * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed if share else 0.0
     cores = share_cores([[Task(t)] for t in devices] + [[Task(cpu)]] * workers, threads, capacity)
-    steps = finish_times([[Task(t)] for t in device_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
-    optimizer = max(steps, default=0.0)
-    optimizer_by_role = dict(zip(machine.stages, steps))
-    if workers:
-        optimizer_by_role["cpu"] = steps[-1]
+    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, [params] * count, params, workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and device_samples:
         # Hidden behind the backward, which the devices end with.
@@ -658,31 +680,16 @@ def predict(
     share = bool(cpu_samples and machine.cpu_workers)
     machine, threads, capacity = _layout(profile, machine, share)
     pipe, _ = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
-    cpu = 0.0
-    if share:
-        per_worker = math.ceil(cpu_samples / machine.cpu_workers)
-        cpu = profile.devices["cpu"].layer_time(range(len(profile.layers)), per_worker) / machine.cpu_speed
-        cpu += profile.step_method_s_per_sample * per_worker
+    cpu = _cpu_share_time(profile, machine, cpu_samples) if share else 0.0
     stage_params = [sum(profile.layers[i].params for i in range(*b)) for b in bounds]
     stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
     # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
     sync = sum(machine.sync.time(n) for n in stage_bytes) if share else 0.0
-    stage_steps = [
-        n * profile.devices[role].optimizer_s_per_param / speed
-        for n, role, speed in zip(stage_params, machine.stages, machine.stage_speed)
-    ]
-    cpu_step = 0.0
-    if share:
-        cpu_step = sum(stage_params) * profile.devices["cpu"].optimizer_s_per_param / machine.cpu_speed
     workers = machine.cpu_workers if share else 0
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
-    steps = finish_times([[Task(t)] for t in stage_steps] + [[Task(cpu_step)]] * workers, threads, capacity)
-    optimizer = max(steps, default=0.0)
-    optimizer_by_role = dict(zip(machine.stages, steps))
-    if workers:
-        optimizer_by_role["cpu"] = steps[-1]
+    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, stage_params, sum(stage_params), workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).

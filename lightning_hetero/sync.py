@@ -580,9 +580,10 @@ class _Overlap:
         self.grads_finite = bool(torch.stack(self._finite).all()) if self._finite else True
         if self._deferred:
             start = time.perf_counter()
-            holders = [h for step in self._steps for h in step.grad_holders() if h.grad is not None]
-            counted = [h.grad for step, c in zip(self._steps, self._counted) if c for h in step.grad_holders()]
-            total = self._norm([g for g in counted if g is not None], finite and self.grads_finite)
+            held = [[h for h in step.grad_holders() if h.grad is not None] for step in self._steps]
+            holders = [h for step_holders in held for h in step_holders]
+            counted = [h.grad for step_holders, c in zip(held, self._counted) if c for h in step_holders]
+            total = self._norm(counted, finite and self.grads_finite)
             self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
             if self._clip_norm is not None and not self.skipped:
                 clip_to_norm(holders, self._clip_norm, total)
