@@ -51,7 +51,8 @@ class HeteroAccelerator(Accelerator):
         from lightning_hetero.devices import device_stats
 
         stats = {**get_cpu_stats(), **device_stats(torch.device(device))}
-        others = getattr(self._strategy, "latest_device_stats", None) or {}
+        engine = getattr(self._strategy, "engine", None)
+        others = engine.latest_device_stats if engine is not None else {}
         return {**stats, **{f"{name}/{key}": value for name, theirs in others.items() for key, value in theirs.items()}}
 
     @override

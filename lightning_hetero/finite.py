@@ -9,7 +9,7 @@ an Inf, with no collective of its own. The policy then does the same on every ra
   workers, before any optimizer steps (in coarse mode).
 - ``"skip"``: no rank steps: the gradients are dropped and the optimizer and its state are left as
   they were, while the step count and the LR schedule go on (as when a float16 loss scaler skips a
-  step). The strategy counts these steps in ``skipped_steps`` and logs ``hetero/skipped_steps``.
+  step). The step engine counts these steps in ``skipped_steps`` and logs ``hetero/skipped_steps``.
 
 Fine mode steps its buckets during the backward, before the results are exchanged. With
 ``"skip"`` it still sums them during the backward but steps them after it, once every rank knows

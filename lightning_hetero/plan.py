@@ -138,6 +138,13 @@ class HeteroPlan:
             return self
         return replace(self, parallelism="pipeline" if offers_blocks(model) else "replicas")
 
+    def runs_on(self, other: HeteroPlan) -> bool:
+        """Whether this plan lays out the processes of ``other``'s run: the same stages, CPU workers and mode."""
+        def processes(plan: HeteroPlan) -> tuple:
+            return [str(d) for d in resolve_stage_devices(plan.stages)], plan.cpu_workers, plan.mode
+
+        return processes(self) == processes(other)
+
     def place_blocks(self, model: nn.Module) -> tuple[list[nn.Module], list[tuple[int, int]]]:
         """The model's blocks and each stage's ``[start, stop)`` of them, the contract checked. In a
         pipeline, ``pipeline_layers()`` cut where the plan cuts them, or balanced by parameter count;

@@ -26,18 +26,15 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized, _sync_ddp
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Checkpoint, DeviceStatsMonitor
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.utils import _sync_module_states
@@ -46,27 +43,25 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
-from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
-from lightning_hetero.batchnorm import revert as revert_batch_norm
+from lightning_hetero.checkpoints import StageCheckpoints
+from lightning_hetero.collectives import ControlCollectives
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
 from lightning_hetero.engine import StepEngine
-from lightning_hetero.files import AtomicCheckpointIO
 from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
-from lightning_hetero.module import check_optimizers, tied_parameters
+from lightning_hetero.module import check_optimizers
 from lightning_hetero.offload import BucketStep
-from lightning_hetero.pipeline import ScheduleArg, resolve_schedule
+from lightning_hetero.pipeline import ScheduleArg
+from lightning_hetero.placing import build_sync, place_rank
 from lightning_hetero.plan import LAYOUT_ARGUMENTS, HeteroPlan, layout_plan
 from lightning_hetero.precision import HeteroPrecision
-from lightning_hetero.record import Recorder, StepRecord
-from lightning_hetero.results import ReportExchange, relog, sync_metrics_over
+from lightning_hetero.record import StepRecord
+from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import Shares, batch_size_of, split_batch
-from lightning_hetero.state import gather_module_state, gather_optimizer_state, move_materialized
-from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
-from lightning_hetero.sync import GlobalNorm, GradSync
-from lightning_hetero.topology import ProcessGroups, Role, StagesArg, Topology, connect, gather_object_to
-from lightning_hetero.topology import resolve_stage_devices, threads_for, tied_groups, usable_cores
-from lightning_hetero.workers import ROLES, Placement, Tied, check_emulated_speed
+from lightning_hetero.state import move_materialized
+from lightning_hetero.topology import ProcessGroups, Role, StagesArg, Topology, connect
+from lightning_hetero.topology import resolve_stage_devices, threads_for, usable_cores
+from lightning_hetero.workers import check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
 
@@ -76,7 +71,7 @@ Planner = Callable[["pl.Trainer", "HeteroStrategy", list[nn.Module]], HeteroPlan
 """What gives a run its plan when the strategy is about to cut the model (``plan_with``)."""
 
 
-class HeteroStrategy(ParallelStrategy):
+class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
     """Train one model on CPU workers and a pipeline of stages at the same time (docs/how-it-works.md).
 
     Args:
@@ -87,11 +82,8 @@ class HeteroStrategy(ParallelStrategy):
         cpu_threads: torch threads per CPU worker; ``None`` shares the machine's cores out.
         micro_batches: micro-batches the pipeline's share is cut into.
         schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
-        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given;
-            ``"auto"``: the share the CPU earns in training (an ``AdaptiveRebalancer`` with its defaults
-            where the run has none: measured from the first steps, 0 where the CPU does not make the
-            step faster), starting from each process's fair share of the cores with emulated stages,
-            and from 0 with GPU stages.
+        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given; ``"auto"``:
+            the share the CPU earns in training (``docs/rebalancing.md``).
         start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
             ``"forkserver"``; ``"auto"``: fork in a notebook, popen elsewhere. Unused under torchrun or SLURM.
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
@@ -100,10 +92,8 @@ class HeteroStrategy(ParallelStrategy):
             ``"auto"`` (on GPU stages, until the state left on the GPU fits in a quarter of it).
         bucket_size_mb: fine mode: the parameter size that closes a bucket (whole layers of one stage).
         plan: a ``HeteroPlan`` or its YAML file, replayed exactly (leave the arguments above as they are).
-        parallelism: what the devices (``stages``) hold: ``"pipeline"``, a stage each, cut from the
-            model's ``pipeline_layers()``; ``"replicas"``, the whole model each, running its own
-            ``training_step`` on their part of the batch (any LightningModule); ``"auto"``, a pipeline
-            where the model offers blocks, replicas where it does not.
+        parallelism: what the devices hold: ``"pipeline"``, a stage each, cut from the model's blocks;
+            ``"replicas"``, the whole model each (any LightningModule); ``"auto"``: a pipeline where the model offers blocks.
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
         emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q}`` makes each side's share of a training
@@ -171,8 +161,7 @@ class HeteroStrategy(ParallelStrategy):
     def apply_plan(self, plan: HeteroPlan) -> None:
         """Take a plan's layout before the model is cut. Its stages, CPU workers and mode must be the
         run's: the processes exist already."""
-        running = (self._plan.stages, self._plan.cpu_workers, self._plan.mode)
-        if ([str(d) for d in resolve_stage_devices(plan.stages)], plan.cpu_workers, plan.mode) != running:
+        if not plan.runs_on(self._plan):
             raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
         if self._engine is not None:
             raise RuntimeError("`apply_plan` must come before the strategy cuts the model (its `setup`).")
@@ -211,7 +200,8 @@ class HeteroStrategy(ParallelStrategy):
         threads = threads_for(self.role, self.topology, usable_cores(), self._plan.cpu_threads, self.cpu_fraction > 0)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self.grad_sync.set_threads(threads)
+            if self._engine is not None:
+                self._engine.sync.set_threads(threads)
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
@@ -238,12 +228,8 @@ class HeteroStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> Topology:
-        return Topology(
-            cpu_workers=self._plan.cpu_workers,
-            stage_devices=self._stage_devices,
-            num_nodes=self._num_nodes,
-            replicas=self._plan.parallelism == "replicas",
-        )
+        replicas = self._plan.parallelism == "replicas"
+        return Topology(cpu_workers=self._plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes, replicas=replicas)
 
     @property
     def role(self) -> Role:
@@ -357,8 +343,11 @@ class HeteroStrategy(ParallelStrategy):
         log.debug("hetero: %s joined its process groups", name)
         self._set_threads()
         self.precision_plugin.use_device(self.root_device)
-        if self._earned_fraction:
-            self._rebalance(self.lightning_module.trainer)
+        trainer = self.lightning_module.trainer
+        if self._earned_fraction and trainer.state.fn == TrainerFn.FITTING and self.topology.cpu_workers:
+            from lightning_hetero.rebalancer import earn_fraction  # it imports this module
+
+            earn_fraction(trainer)
         if self._emulated_speed:
             rank_zero_warn(f"`emulated_speed={self._emulated_speed}` slows this run down on purpose: tests only.")
         # Logged values are combined over the workers before Lightning sees them (`results.py`).
@@ -371,8 +360,6 @@ class HeteroStrategy(ParallelStrategy):
         module = self.lightning_module
         self._engine = self._engine or self._place(module)
         self._engine.worker.on_setup()
-        if self._engine.worker.norm is not None:
-            self._engine.worker.norm.apply()
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
@@ -380,26 +367,13 @@ class HeteroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(module, self.optimizers, self.mode)
-            self.precision_plugin.clipping = self._engine.sync = self._build_sync()
+            skip = self._nonfinite == "skip"
+            sync = build_sync(self._engine, self._plan, self.topology, self._groups, self.optimizers[0], skip)
+            self.precision_plugin.clipping = self._engine.sync = sync
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         # DeviceStatsMonitor logs from rank 0: every rank's stats travel with the step's results.
         self._engine.report_device_stats = any(isinstance(cb, DeviceStatsMonitor) for cb in trainer.callbacks)
-
-    def _rebalance(self, trainer: "pl.Trainer") -> None:
-        """``cpu_fraction="auto"``: the CPU takes the share it earns in training, measured from the
-        first steps (an ``AdaptiveRebalancer`` with its defaults, before the checkpoint callbacks so
-        they save its latest decision), unless the run has a rebalancer of its own."""
-        from lightning_hetero.callbacks.rebalancer import AdaptiveRebalancer
-
-        callbacks = trainer.callbacks
-        if trainer.state.fn != TrainerFn.FITTING or self.topology.cpu_workers == 0:
-            return
-        if any(isinstance(callback, AdaptiveRebalancer) for callback in callbacks):
-            return
-        at = next((i for i, callback in enumerate(callbacks) if isinstance(callback, Checkpoint)), len(callbacks))
-        callbacks.insert(at, AdaptiveRebalancer(verbose=False))
-        rank_zero_info("hetero: `cpu_fraction='auto'`: an AdaptiveRebalancer gives the CPU the share it earns.")
 
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""
@@ -411,84 +385,26 @@ class HeteroStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(module)
         if self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING:
             self.apply_plan(self._planner(module.trainer, self, layers))
-        layers, bounds = self._plan.place_blocks(module)
-        topology, role, device, groups = self.topology, self.role, self.root_device, self._groups
-        tied = tied_parameters(layers, bounds)
-        sums = tied_groups(topology, self.global_rank, [stages for stages, _ in tied], self._timeout)
-        tied_sums = [Tied(stages, params, *pair) for (stages, params), pair in zip(tied, sums)]
-        placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(self.node_rank), tied_sums)
-        schedule = resolve_schedule(self._plan.schedule, topology.num_stages, self._plan.micro_batches)
-        worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
-        worker.norm = self._replica_norm(module)
-        log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), bounds)
-        engine = StepEngine(
-            worker=worker,
-            exchange=ReportExchange(
-                groups.control,
-                cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0,
-                stages=groups.stage_reports,
-            ),
-            log=partial(relog, module, device=device),
-            names=self.device_names,
-            cpu_workers=topology.cpu_workers,
+        engine = place_rank(
+            module,
+            self._plan,
+            self.topology,
+            self._groups,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            device=self.root_device,
+            timeout=self._timeout,
             nonfinite=self._nonfinite,
-            device=device,
-            recorder=Recorder(self.global_rank, str(role), device),
-            outputs=(groups.node, topology.node_ranks(self.node_rank)[0]),
+            whole_batch_norm=self._layer_sync is not None,
         )
+        log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), engine.worker.placement.bounds)
         engine.pace(self._emulated_speed)
         return engine
-
-    def _replica_norm(self, module: LightningModule) -> Optional[ReplicaNorm]:
-        """Replicas of a model with BatchNorm layers: their statistics per share, or over the whole
-        batch with ``Trainer(sync_batchnorm=True)`` (``batchnorm.py``). Collective: new groups."""
-        if self._plan.parallelism != "replicas" or not has_batch_norm(module):
-            return None
-        assert self._groups is not None
-        topology, whole = self.topology, self._layer_sync is not None
-        cpus, devices = topology.cpu_workers, topology.num_stages
-
-        def group(ranks: Optional[list[int]] = None) -> dist.ProcessGroup:
-            # Groups of their own: the step's other collectives may run beside these (fine mode's
-            # bucket sums on a side thread, the one-way exchange).
-            return dist.new_group(ranks, backend="gloo", timeout=self._timeout)
-
-        everyone = group()
-        groups: dict = {}
-        # Every node's batch is split alike, so the replicas with a share are the same on every
-        # node: the statistics are the whole global batch's, as DDP's SyncBatchNorm takes them.
-        sets = {((True,) * cpus, (True,) * devices): (0, cpus + devices)}
-        if devices * topology.num_nodes > 1:
-            sets[((False,) * cpus, (True,) * devices)] = (cpus, cpus + devices)
-        if cpus * topology.num_nodes > 1:
-            sets[((True,) * cpus, (False,) * devices)] = (0, cpus)
-        for key, (start, stop) in sets.items() if whole else ():
-            groups[key] = group([r for node in range(topology.num_nodes) for r in topology.node_ranks(node)[start:stop]])
-        return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
-
-    def _build_sync(self) -> GradSync:
-        assert self._engine is not None and self._groups is not None
-        worker, groups, topology = self._engine.worker, self._groups, self.topology
-        return worker.build_sync(
-            self.mode,
-            norm=GlobalNorm(worker.norm_slot, len(worker.placement.bounds), topology.num_nodes, groups.control),
-            replica_group=groups.replica,
-            optimizer=self.optimizers[0],
-            bucket_bytes=int(self._plan.bucket_size_mb * 2**20),
-            offload=self._plan.offload,
-            control=groups.control,
-            skip_nonfinite=self._nonfinite == "skip",
-        )
-
-    @property
-    def grad_sync(self) -> GradSync:
-        """How this rank's gradients are summed and stepped (``sync.py``)."""
-        return self._engine.sync if self._engine is not None else GradSync()
 
     @property
     def bucket_steps(self) -> list[BucketStep]:
         """This rank's bucket steps in fine mode (none in coarse mode)."""
-        return self.grad_sync.bucket_steps
+        return self._engine.sync.bucket_steps if self._engine is not None else []
 
     @override
     def model_to_device(self) -> None:
@@ -552,6 +468,13 @@ class HeteroStrategy(ParallelStrategy):
         return self._running.eval_step(method, batch, rest, self.shares(batch_size_of(batch)), self._optimizer())
 
     @property
+    def engine(self) -> Optional[StepEngine]:
+        """This rank's step engine once the strategy is set up (``engine.py``): its gradient sync
+        (``engine.sync``), steps skipped for NaN/Inf (``engine.skipped_steps``), every device's latest
+        stats, whether a CPU worker's replica is current (``engine.replica_is_current``)."""
+        return self._engine
+
+    @property
     def _running(self) -> StepEngine:
         assert self._engine is not None, "the strategy has not been set up"
         return self._engine
@@ -559,125 +482,35 @@ class HeteroStrategy(ParallelStrategy):
     def _optimizer(self) -> Optional[Optimizer]:
         return self.optimizers[0] if self.optimizers else None
 
-    def _refresh_replicas(self) -> None:
+    def refresh_replicas(self) -> None:
+        """Bring a CPU worker that kept out of recent optimizer steps up to date (every rank: a collective)."""
         if self._engine is not None:
             self._engine.refresh_replicas(self._optimizer())
 
     @property
-    def replica_is_current(self) -> bool:
-        """False on a CPU worker that kept out of recent optimizer steps (it had no share of their
-        batches): its replica is refreshed from the stages before it is used again."""
-        return self._engine is None or self._engine.replica_is_current
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for NaN or Inf (``nonfinite="skip"``) in this process's run."""
-        return self._engine.skipped_steps if self._engine is not None else 0
-
-    @property
-    def latest_device_stats(self) -> dict[str, dict[str, float]]:
-        """Every device's latest process and device stats, by device name (with ``DeviceStatsMonitor``)."""
-        return self._engine.latest_device_stats if self._engine is not None else {}
-
-    @property
     def step_records(self) -> list[StepRecord]:
         """This rank's recent training steps: what it computed, communicated, stepped and waited for."""
-        return list(self._engine.recorder.records) if self._engine is not None and self._engine.recorder else []
+        return list(self._engine.recorder.records) if self._engine and self._engine.recorder else []
 
     def gather_step_records(self, count: int = 1, dst: Optional[int] = None) -> list[list[StepRecord]]:
         """Every rank's latest ``count`` step records, by global rank (see ``gather``)."""
         return self.gather(self.step_records[-count:] if count > 0 else [], dst)
 
-    # --------------------------------------------------------------- collectives
-
-    def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
-        """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
-        collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
-        if dst is not None:
-            return gather_object_to(obj, dst, self._control) or []
-        objects: list[Any] = [None] * dist.get_world_size(self._control)
-        dist.all_gather_object(objects, obj, group=self._control)
-        return objects
-
     @property
-    def _control(self) -> Optional[dist.ProcessGroup]:
+    def control_group(self) -> Optional[dist.ProcessGroup]:
+        """The gloo group of every rank, which Lightning's collectives run over (``collectives.py``)."""
         return self._groups.control if self._groups is not None else None
-
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        return _sync_ddp(tensor.cpu(), group=group or self._control, reduce_op=reduce_op).to(tensor.device)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self._control, sync_grads=sync_grads)
-        return gathered.to(tensor.device)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier(group=self._control)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=self._control)
-        return box[0]
 
     # -------------------------------------------------------------- checkpoints
 
     @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        # Lightning's default, except that a process killed while saving leaves the previous
-        # checkpoint intact (`files.py`); a CheckpointIO passed in is used as it is.
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # only where it wraps none
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
-
-    @property
-    def _rank_zero_has_everything(self) -> bool:
-        # Global rank 0 is a CPU worker wherever there is one; otherwise it is stage 0, or a replica.
+    def whole_model_on_rank_zero(self) -> bool:
+        """Global rank 0 holds the whole model: a CPU worker or a replica (otherwise stage 0's slice)."""
         return self._plan.cpu_workers > 0 or self.topology.replicas or self._engine is None
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._refresh_replicas()  # every rank calls this when a checkpoint is written
-        if self._rank_zero_has_everything:
-            return super().lightning_module_state_dict()
-        return gather_module_state(self.lightning_module, self._control)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = with_offloaded_state(getattr(optimizer, "_optimizer", optimizer), self.bucket_steps)
-        return state if self._rank_zero_has_everything else gather_optimizer_state(state, self._control)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._engine is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self._engine.worker.load_model_state(checkpoint["state_dict"], strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_with_offloaded_state(optimizer, state, self.bucket_steps)
-            _optimizers_to_device([optimizer], self.root_device)
-
-    @override
     def on_train_end(self) -> None:
-        self._refresh_replicas()  # a CPU worker that kept out of the last steps is brought up to date
+        self.refresh_replicas()  # a CPU worker that kept out of the last steps is brought up to date
 
     # ----------------------------------------------------------------- failures
 
@@ -700,11 +533,8 @@ class HeteroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.close()
-            trainer = self.lightning_module.trainer
-            if trainer.state.status == TrainerStatus.RUNNING:  # not after a failure (`_interrupt`)
-                # Code after the trainer call reads the whole model on every rank, as under DDP.
-                self._engine.worker.share_model(self._groups.node)
-            revert_batch_norm(self.lightning_module)
+            finished = self.lightning_module.trainer.state.status == TrainerStatus.RUNNING  # not `_interrupt`ed
+            self._engine.worker.on_teardown(self._groups.node, finished)
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             move_materialized(self.lightning_module, torch.device("cpu"))

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.batchnorm import ReplicaNorm
+from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
 from lightning_hetero.offload import BucketStep, choose_offloaded
 from lightning_hetero.pipeline import Pipeline, StageModule
@@ -259,6 +260,15 @@ class Worker:
 
     def on_setup(self) -> None:
         """At the start of every trainer call, after the placement (made by the first, kept by the others)."""
+        if self.norm is not None:
+            self.norm.apply()
+
+    def on_teardown(self, group: dist.ProcessGroup, finished: bool) -> None:
+        """At the end of every trainer call; ``finished``: it ended without a failure, and code after it
+        reads the whole model on every rank, as under DDP (``share_model``)."""
+        if finished:
+            self.share_model(group)
+        revert_batch_norm(self.module)
 
     def share_model(self, group: dist.ProcessGroup) -> None:
         """After a trainer call, make this rank's module the whole model, as every rank's is under DDP
@@ -506,6 +516,7 @@ class StageWorker(Worker):
     def on_setup(self) -> None:
         # The other stages' layers go to the meta device (shapes only), so nothing can use their
         # values here, which would go stale as the stages train (`share_model` filled them in).
+        super().on_setup()
         start, stop = self.placement.bounds[self.pipeline.stage_index]
         drop_to_meta(self.placement.layers[:start] + self.placement.layers[stop:], keep=self.params)
 

@@ -80,7 +80,7 @@ class RecordCopies(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         tensors = [*pl_module.named_parameters(), *pl_module.named_buffers()]  # BatchNorm's statistics too
         held = {n: p.detach().cpu().clone() for n, p in tensors if not p.is_meta}
-        self.steps.append(held if trainer.strategy.replica_is_current else {})
+        self.steps.append(held if trainer.strategy.engine.replica_is_current else {})
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         torch.save(self.steps, self.out_dir / f"copies{trainer.global_rank}.pt")

@@ -103,7 +103,7 @@ class RecordOverlap(L.Callback):
         self.out, self.early = out, []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.early.append(trainer.strategy.grad_sync.handed_early)
+        self.early.append(trainer.strategy.engine.sync.handed_early)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy

@@ -19,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero.callbacks import AdaptiveRebalancer
-from lightning_hetero.callbacks.rebalancer import REASONS, Balancer, Window, summarize
+from lightning_hetero.rebalancer import REASONS, Balancer, Window, summarize
 from lightning_hetero.record import StepRecord
 from lightning_hetero.shares import split_batch
 from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
@@ -518,7 +518,7 @@ def test_the_other_ranks_raise_rank_zeros_failure_instead_of_waiting(monkeypatch
     # brings rank 0's failure, and it is raised there too.
     from types import SimpleNamespace
 
-    import lightning_hetero.callbacks.rebalancer as module
+    import lightning_hetero.rebalancer as module
 
     sent = RuntimeError("AdaptiveRebalancer failed on global rank 0: ZeroDivisionError()")
     strategy = SimpleNamespace(

@@ -78,7 +78,7 @@ class RecordThreads(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self.threads.append(torch.get_num_threads())
-        sync = trainer.strategy.grad_sync
+        sync = trainer.strategy.engine.sync
         if isinstance(sync, FineSync):  # fine mode's step thread follows too
             assert sync._overlap._stepper.submit(torch.get_num_threads).result() == self.threads[-1]
         if batch_idx == 0:

@@ -4,6 +4,6 @@ adaptive rebalancer (keep the CPU fraction right while training) and the utiliza
 
 from lightning_hetero.callbacks.analyzer import WorkloadAnalyzer
 from lightning_hetero.callbacks.monitor import UtilizationMonitor
-from lightning_hetero.callbacks.rebalancer import AdaptiveRebalancer
+from lightning_hetero.rebalancer import AdaptiveRebalancer
 
 __all__ = ["AdaptiveRebalancer", "UtilizationMonitor", "WorkloadAnalyzer"]

@@ -12,6 +12,9 @@ broadcast and every rank applies it from the next batch. Fraction 0 is always a 
 the step time measured with the CPU idle (a *baseline* window, at the start and whenever in
 doubt) guards the model: a CPU share that does not make the step faster is dropped, and probed
 again later in case conditions changed.
+
+The rebalancer belongs to the core, not to the optional callbacks: ``cpu_fraction="auto"`` (the
+default) runs one (``earn_fraction``). ``lightning_hetero.callbacks`` exports it beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -35,7 +39,7 @@ from lightning_hetero.strategy import hetero_strategy
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["AdaptiveRebalancer", "Balancer", "Decision", "Window", "summarize", "REASONS"]
+__all__ = ["AdaptiveRebalancer", "Balancer", "Decision", "Window", "summarize", "earn_fraction", "REASONS"]
 
 State = Literal["baseline", "balance", "idle"]
 
@@ -535,3 +539,15 @@ class AdaptiveRebalancer(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
 
+
+
+def earn_fraction(trainer: L.Trainer) -> None:
+    """``cpu_fraction="auto"``: the CPU takes the share it earns in training, measured from the
+    first steps: an ``AdaptiveRebalancer`` with its defaults, before the checkpoint callbacks so
+    they save its latest decision, unless the run has a rebalancer of its own."""
+    callbacks = trainer.callbacks
+    if any(isinstance(callback, AdaptiveRebalancer) for callback in callbacks):
+        return
+    at = next((i for i, callback in enumerate(callbacks) if isinstance(callback, Checkpoint)), len(callbacks))
+    callbacks.insert(at, AdaptiveRebalancer(verbose=False))
+    rank_zero_info("hetero: `cpu_fraction='auto'`: an AdaptiveRebalancer gives the CPU the share it earns.")

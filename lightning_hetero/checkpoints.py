@@ -1,0 +1,71 @@
+"""A hetero run's checkpoints are ordinary Lightning checkpoints.
+
+Every rank takes part in writing one: a CPU worker that kept out of the latest optimizer steps is
+brought up to date first (``state.refresh_replicas``); where global rank 0 holds the whole model
+(a CPU worker, or a replica) it saves as in one process; where it holds only stage 0's slice,
+the stages' slices and their optimizer state (offloaded buckets' included) are gathered to it
+into the state dicts a single-process model has (``state.py``). Loading gives each rank its part.
+The file is written whole or not at all (``files.AtomicCheckpointIO``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from torch.optim import Optimizer
+
+from lightning_hetero.files import AtomicCheckpointIO
+from lightning_hetero.state import gather_module_state, gather_optimizer_state
+from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
+
+if TYPE_CHECKING:
+    from lightning_hetero.engine import StepEngine
+
+__all__ = ["StageCheckpoints"]
+
+
+class StageCheckpoints:
+    """Mixin for the hetero strategy: Lightning's checkpoint hooks. The strategy provides
+    ``_engine`` (its step engine once set up), ``whole_model_on_rank_zero``, ``bucket_steps``,
+    ``control_group`` and ``refresh_replicas``."""
+
+    _engine: Optional[StepEngine]
+    _checkpoint_io: Optional[CheckpointIO]
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        # Lightning's default, except that a process killed while saving leaves the previous
+        # checkpoint intact (`files.py`); a CheckpointIO passed in is used as it is.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # only where it wraps none
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.refresh_replicas()  # every rank calls this when a checkpoint is written
+        if self.whole_model_on_rank_zero:
+            return super().lightning_module_state_dict()  # type: ignore[misc]
+        return gather_module_state(self.lightning_module, self.control_group)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = with_offloaded_state(getattr(optimizer, "_optimizer", optimizer), self.bucket_steps)
+        return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+        self._engine.worker.load_model_state(checkpoint["state_dict"], strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_with_offloaded_state(optimizer, state, self.bucket_steps)
+            _optimizers_to_device([optimizer], self.root_device)

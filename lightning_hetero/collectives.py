@@ -1,0 +1,63 @@
+"""Lightning's collectives for a run whose ranks sit on different devices.
+
+Every rank of a hetero run joins one gloo group over all of them, the *control* group
+(``topology.ProcessGroups.control``): a CPU worker and a GPU stage can both talk on it, where an
+NCCL group would leave the CPU out. ``ControlCollectives`` gives a strategy Lightning's
+``reduce``, ``all_gather``, ``barrier`` and ``broadcast`` over it (tensors travel through a CPU
+copy and come back on their device), and ``gather`` for any picklable object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized, _sync_ddp
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.strategy import TBroadcast
+from torch import Tensor
+
+from lightning_hetero.topology import gather_object_to
+
+__all__ = ["ControlCollectives"]
+
+
+class ControlCollectives:
+    """Mixin for a Lightning strategy: its collectives over ``self.control_group`` (``None``: the
+    default group)."""
+
+    @property
+    def control_group(self) -> Optional[dist.ProcessGroup]:
+        raise NotImplementedError
+
+    def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
+        """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
+        collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
+        group = self.control_group
+        if dst is not None:
+            return gather_object_to(obj, dst, group) or []
+        objects: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(objects, obj, group=group)
+        return objects
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        return _sync_ddp(tensor.cpu(), group=group or self.control_group, reduce_op=reduce_op).to(tensor.device)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self.control_group, sync_grads=sync_grads)
+        return gathered.to(tensor.device)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(group=self.control_group)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=self.control_group)
+        return box[0]

@@ -1,0 +1,114 @@
+"""Placing this rank's part of the model, and the step engine around it.
+
+Once per process, when the strategy sets up, after the model's own ``setup`` and the plan: the
+plan's blocks are cut at its bounds, this rank's role takes its part (``workers.py``), with the
+groups its tied weights and BatchNorm layers need, and the step engine (``engine.py``) runs it;
+when the run fits, the role builds the gradient sync of the plan's mode (``sync.py``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch.optim import Optimizer
+
+from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
+from lightning_hetero.engine import StepEngine
+from lightning_hetero.finite import NonfinitePolicy
+from lightning_hetero.module import tied_parameters
+from lightning_hetero.pipeline import resolve_schedule
+from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.record import Recorder
+from lightning_hetero.results import ReportExchange, relog
+from lightning_hetero.sync import GlobalNorm, GradSync
+from lightning_hetero.topology import ProcessGroups, Topology, tied_groups
+from lightning_hetero.workers import ROLES, Placement, Tied
+
+__all__ = ["place_rank", "build_sync", "replica_norm"]
+
+
+def place_rank(
+    module: LightningModule,
+    plan: HeteroPlan,
+    topology: Topology,
+    groups: ProcessGroups,
+    *,
+    node_rank: int,
+    local_rank: int,
+    device: torch.device,
+    timeout: timedelta,
+    nonfinite: NonfinitePolicy,
+    whole_batch_norm: bool,
+) -> StepEngine:
+    """Cut ``module`` by ``plan`` and place this rank's part on ``device``; its step engine.
+    Collective: every rank of every node creates the same groups (tied weights, BatchNorm)."""
+    global_rank = node_rank * topology.procs_per_node + local_rank
+    role = topology.role(local_rank)
+    layers, bounds = plan.place_blocks(module)
+    tied = tied_parameters(layers, bounds)
+    sums = tied_groups(topology, global_rank, [stages for stages, _ in tied], timeout)
+    tied_sums = [Tied(stages, params, *pair) for (stages, params), pair in zip(tied, sums)]
+    placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(node_rank), tied_sums)
+    schedule = resolve_schedule(plan.schedule, topology.num_stages, plan.micro_batches)
+    worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
+    if plan.parallelism == "replicas" and has_batch_norm(module):
+        worker.norm = replica_norm(module, topology, whole_batch_norm, timeout)
+    return StepEngine(
+        worker=worker,
+        exchange=ReportExchange(
+            groups.control, cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0, stages=groups.stage_reports
+        ),
+        log=partial(relog, module, device=device),
+        names=topology.device_names(),
+        cpu_workers=topology.cpu_workers,
+        nonfinite=nonfinite,
+        device=device,
+        recorder=Recorder(global_rank, str(role), device),
+        outputs=(groups.node, topology.node_ranks(node_rank)[0]),
+    )
+
+
+def build_sync(
+    engine: StepEngine, plan: HeteroPlan, topology: Topology, groups: ProcessGroups, optimizer: Optimizer, skip: bool
+) -> GradSync:
+    """The gradient sync of ``plan.mode`` for this rank's worker (``skip``: ``nonfinite="skip"``)."""
+    worker = engine.worker
+    return worker.build_sync(
+        plan.mode,
+        norm=GlobalNorm(worker.norm_slot, len(worker.placement.bounds), topology.num_nodes, groups.control),
+        replica_group=groups.replica,
+        optimizer=optimizer,
+        bucket_bytes=int(plan.bucket_size_mb * 2**20),
+        offload=plan.offload,
+        control=groups.control,
+        skip_nonfinite=skip,
+    )
+
+
+def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeout: timedelta) -> ReplicaNorm:
+    """What replicas of a model with BatchNorm layers do about their statistics: per share, or over
+    the whole batch (``whole``: ``Trainer(sync_batchnorm=True)``; ``batchnorm.py``). Collective:
+    every rank creates every group."""
+    cpus, devices = topology.cpu_workers, topology.num_stages
+
+    def group(ranks: list[int] | None = None) -> dist.ProcessGroup:
+        # Groups of their own: the step's other collectives may run beside these (fine mode's
+        # bucket sums on a side thread, the one-way exchange).
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+
+    everyone = group()
+    groups: dict = {}
+    # Every node's batch is split alike, so the replicas with a share are the same on every node:
+    # the statistics are the whole global batch's, as DDP's SyncBatchNorm takes them.
+    sets = {((True,) * cpus, (True,) * devices): (0, cpus + devices)}
+    if devices * topology.num_nodes > 1:
+        sets[((False,) * cpus, (True,) * devices)] = (cpus, cpus + devices)
+    if cpus * topology.num_nodes > 1:
+        sets[((True,) * cpus, (False,) * devices)] = (0, cpus)
+    for key, (start, stop) in sets.items() if whole else ():
+        groups[key] = group([r for node in range(topology.num_nodes) for r in topology.node_ranks(node)[start:stop]])
+    return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
