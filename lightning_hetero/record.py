@@ -60,6 +60,9 @@ class StepRecord:
     spans: list = field(default_factory=list)
     """``(kind, start, end)`` of the timed work, in ``time.perf_counter`` seconds (host time; on
     CUDA, a span starts when its work was queued and lasts as long as the device took)."""
+    side_spans: list = field(default_factory=list)
+    """``(kind, start, end)`` of work beside the step's own timeline: fine mode's bucket steps
+    (``"bucket <k> step"``), which run in a thread of their own during the backward."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +75,8 @@ class StepClock:
         self.device = device
         self.seconds: dict[str, float] = {}
         self.spans: list[tuple[str, float, float]] = []
+        self.side_spans: list[tuple[str, float, float]] = []
+        """Spans of work beside the step's own timeline (``StepRecord.side_spans``)."""
         self._events: list[tuple[str, float, Any, Any]] = []
 
     def add(self, kind: str, seconds: float) -> None:
@@ -177,6 +182,7 @@ class Recorder:
             start=self._started,
             end=now,
             spans=self.clock.spans,
+            side_spans=self.clock.side_spans,
             **{kind: seconds.get(kind, 0.0) for kind in ("compute", "communicate", "sync", "optimizer", "wait", "data")},
         )
         self.records.append(record)

@@ -378,6 +378,7 @@ class FineSync(GradSync):
             self._overlap.finish(finite)
         if clock is not None:
             clock.add("optimizer", self._overlap.step_seconds)
+            clock.side_spans.extend(self._overlap.step_spans)
         return self._overlap.grads_finite, self._overlap.skipped
 
     @override
@@ -529,6 +530,8 @@ class _Overlap:
         """Buckets whose step had finished before the last backward returned."""
         self.step_seconds = 0.0
         """Time the bucket steps of the last optimizer step took (in the step thread, overlapped)."""
+        self.step_spans: list[tuple[str, float, float]] = []
+        """``("bucket <k> step", start, end)`` of each bucket step of the last optimizer step."""
         self.grads_finite = True
         """Whether this rank's own gradients were finite in the last optimizer step's backward."""
         self.skipped = False
@@ -561,6 +564,7 @@ class _Overlap:
         self._stepped_in_backward = 0
         self._finite: list[Tensor] = []
         self.step_seconds = 0.0
+        self.step_spans = []
         self.skipped = False
         self._armed = True
         self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
@@ -587,11 +591,11 @@ class _Overlap:
             self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
             if self._clip_norm is not None and not self.skipped:
                 clip_to_norm(holders, self._clip_norm, total)
-            for step in self._steps:
+            for k, step in enumerate(self._steps):
                 if self.skipped:
                     step.skip()
                 else:
-                    self._clip_by_value_and_step(step)
+                    self._clip_by_value_and_step(k, step)
             self.step_seconds += time.perf_counter() - start
         for step in self._steps:
             step.after_all_steps()
@@ -662,7 +666,7 @@ class _Overlap:
         if self._deferred:
             return
         start = time.perf_counter()
-        self._clip_by_value_and_step(step)
+        self._clip_by_value_and_step(k, step)
         self.step_seconds += time.perf_counter() - start
         if not self._backward_over:
             self._stepped_in_backward += 1
@@ -677,12 +681,14 @@ class _Overlap:
             torch.cuda.current_stream(self._device).wait_event(ready)
         self._finite.append(finite_flag(grads))
 
-    def _clip_by_value_and_step(self, step: Any) -> None:
+    def _clip_by_value_and_step(self, k: int, step: Any) -> None:
+        start = time.perf_counter()
         if self._clip_value is not None:
             holders = [h for h in step.grad_holders() if h.grad is not None]
             if holders:
                 torch.nn.utils.clip_grad_value_(holders, self._clip_value)
         step.step()
+        self.step_spans.append((f"bucket {k} step", start, time.perf_counter()))
 
 
 class _DaemonThread:

@@ -182,3 +182,26 @@ def test_chrome_trace_of_no_records_is_empty() -> None:
 def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be an integer"):
         UtilizationMonitor(**kwargs)
+
+
+@pytest.mark.parametrize("offload", ["none", "all"])
+def test_fine_mode_bucket_steps_have_a_track_of_their_own(tmp_path: Path, offload: str) -> None:
+    monitor = UtilizationMonitor(every_n_steps=3, trace_steps=3, save_dir=str(tmp_path), summary=False)
+    strategy = hetero(mode="fine", cpu_fraction=0.5, offload=offload, bucket_size_mb=1e-4)
+    trainer(strategy, max_steps=4, callbacks=[monitor]).fit(Net(), regression_data())
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    threads = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {(0, "bucket steps"), (1, "bucket steps"), (2, "bucket steps")}
+    for rank in range(3):
+        for tid in (0, 1):
+            track = sorted((e for e in spans if e["pid"] == rank and e["tid"] == tid), key=lambda e: e["ts"])
+            assert track and all(e["dur"] >= 0 for e in track)
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(track, track[1:]))  # no overlap
+        steps = [e for e in spans if e["pid"] == rank and e["tid"] == 1]
+        assert all(e["name"].startswith("bucket ") and e["name"].endswith(" step") for e in steps)
+        # Each of the 3 traced optimizer steps stepped every bucket once: the CPU worker holds all of
+        # them, each stage its own (the blocks' buckets, at least one per stage).
+        per_step = {s: sorted(e["name"] for e in steps if e["args"]["step"] == s) for s in {e["args"]["step"] for e in steps}}
+        assert len(per_step) == 3 and len({tuple(names) for names in per_step.values()}) == 1
+        assert len(set(next(iter(per_step.values())))) == len(next(iter(per_step.values())))

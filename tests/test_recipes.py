@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 import torch
 
 from lightning_hetero.cli import HeteroCLI
@@ -71,6 +72,7 @@ def test_every_config_fits_a_few_steps(config: Path, tmp_path: Path, monkeypatch
     assert list(tmp_path.glob("wandb/offline-run-*"))  # the run was logged
     assert list(tmp_path.rglob("*.ckpt"))  # and checkpointed
     assert (tmp_path / "trace.json").exists()  # the monitor's trace
+    Image.open(tmp_path / "devices.png").verify()  # and its picture of the run
 
 
 def printed(args: list[str]) -> str:

@@ -15,6 +15,9 @@ as fractions of the step that sum to 1, ``util/<device>/samples_per_s``, ``util/
 CUDA, and ``throughput/samples_per_s`` and ``util/cpu_fraction`` for the run. ``<device>`` is the
 rank's role: ``cpu0``, ``stage0``, ``stage1``... (``node1.stage0`` on further nodes).
 
+Fine mode's bucket steps, which run in a thread of their own during the backward, are on a
+track of their own in the trace ("bucket steps").
+
 Every ``image_every_n_steps`` a picture of the same (one stacked bar per device) goes to the
 loggers that take images (wandb), and at the end of training (and every ``trace_every_n_steps``)
 a Chrome trace of the last ``trace_steps`` steps of every rank is written (``trace.json`` in the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,12 +37,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import lightning as L
 import numpy as np
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hetero.callbacks.summary import DeviceTotals, RunSummary, cpu_gain, summary_image, write_png
 from lightning_hetero.devices import device_stats
 from lightning_hetero.files import atomic_write
 from lightning_hetero.record import StepRecord
+from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
 
 if TYPE_CHECKING:
@@ -49,32 +55,10 @@ __all__ = ["UtilizationMonitor", "device_fractions", "chrome_trace", "utilizatio
 _COLORS = {"busy": (46, 160, 67), "comm": (31, 119, 180), "idle": (200, 200, 200)}
 
 
-_BUSY = ("compute", "stage", "optimizer")
-
-
 def device_fractions(records: Sequence[StepRecord]) -> dict[str, float]:
     """One rank's busy / comm / idle fractions of the wall time of ``records`` (they sum to 1),
-    the parts of idle, and its samples per second. Work that ran beside the step's own timeline
-    (fine mode's bucket steps, in their own thread) is left out: it took no time of the step."""
-    total = sum(r.total for r in records)
-    if total <= 0:
-        return {}
-
-    def timed(kinds: tuple[str, ...]) -> float:
-        return sum(b - a for r in records for kind, a, b in r.spans if kind in kinds)
-
-    busy = min(1.0, timed(_BUSY) / total)
-    comm = min(1.0 - busy, timed(("sync",)) / total)
-    idle = 1.0 - busy - comm
-    parts = {
-        "bubble": sum(r.communicate - r.sync for r in records) / total,
-        "wait": sum(r.wait for r in records) / total,
-        "data": sum(r.data for r in records) / total,
-    }
-    parts = {key: min(value, idle) for key, value in parts.items()}
-    other = max(0.0, idle - sum(parts.values()))
-    return {"busy": busy, "comm": comm, "idle": idle, **parts, "other": other,
-            "samples_per_s": sum(r.samples for r in records) / total}
+    the parts of idle, and its samples per second (``DeviceTotals.shares``)."""
+    return DeviceTotals.of(records).shares()
 
 
 def utilization_image(fractions: dict[str, dict[str, float]], width: int = 400, row: int = 24) -> np.ndarray:
@@ -140,23 +124,18 @@ def chrome_trace(
         shift = shifts[index] - origin
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank} ({name})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        if any(record.side_spans for record in rank_records):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1, "args": {"name": "bucket steps"}})
         for record in rank_records:
             if record.end <= record.start:
                 continue
             spans = [(_TRACE_NAMES.get(kind, kind), a, b) for kind, a, b in record.spans]
-            for kind, a, b in _flatten(spans, record.start, record.end):
-                events.append(
-                    {
-                        "name": kind,
-                        "cat": "step",
-                        "ph": "X",
-                        "ts": (a + shift) * 1e6,
-                        "dur": (b - a) * 1e6,
-                        "pid": rank,
-                        "tid": 0,
-                        "args": {"step": record.step},
-                    }
-                )
+            # The step's own timeline on thread 0; fine mode's bucket steps on their own, thread 1.
+            timelines = ((0, _flatten(spans, record.start, record.end)), (1, record.side_spans))
+            for tid, segments in timelines:
+                for kind, a, b in segments:
+                    event = {"name": kind, "cat": "step", "ph": "X", "ts": (a + shift) * 1e6, "dur": (b - a) * 1e6}
+                    events.append({**event, "pid": rank, "tid": tid, "args": {"step": record.step}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_unix_s": origin + base if offsets else None}}
 
 
@@ -170,7 +149,12 @@ class UtilizationMonitor(L.Callback):
         image_every_n_steps: steps between pictures for loggers that take images (0: none).
         trace_steps: the training batches of every rank the Chrome trace shows (the latest ones).
         trace_every_n_steps: also write the trace every this many steps (0: at the end of training only).
-        save_dir: where ``trace.json`` goes (default: the trainer's log directory).
+        save_dir: where ``trace.json`` and ``devices.png`` go (default: the trainer's log directory).
+        summary: at the end of ``fit``, print what each device did and what the CPU bought, log it
+            under ``hetero/*`` (docs/monitoring.md) and draw it (``devices.png``).
+        compare_steps: where nothing else measures the step without the CPU (a fixed CPU fraction,
+            no ``AdaptiveRebalancer``), run this many optimizer steps at fraction 0 early in the run,
+            after as many at the run's fraction, to measure what the CPU buys (0: do not).
     """
 
     def __init__(
@@ -180,12 +164,15 @@ class UtilizationMonitor(L.Callback):
         trace_steps: int = 20,
         trace_every_n_steps: int = 0,
         save_dir: Optional[str] = None,
+        summary: bool = True,
+        compare_steps: int = 10,
     ) -> None:
         for name, value, minimum in (
             ("every_n_steps", 1 if every_n_steps is None else every_n_steps, 1),
             ("image_every_n_steps", image_every_n_steps, 0),
             ("trace_steps", trace_steps, 1),
             ("trace_every_n_steps", trace_every_n_steps, 0),
+            ("compare_steps", compare_steps, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"`UtilizationMonitor({name}={value!r})` must be an integer of at least {minimum}.")
@@ -194,6 +181,14 @@ class UtilizationMonitor(L.Callback):
         self.trace_steps = trace_steps
         self.trace_every_n_steps = trace_every_n_steps
         self.save_dir = save_dir
+        self.summarize = summary
+        self.compare_steps = compare_steps
+        self.summary: Optional[RunSummary] = None
+        """What the devices did and what the CPU bought, once ``fit`` ended (global rank 0)."""
+        self.image_path: Optional[Path] = None
+        self._totals = DeviceTotals()
+        self._seen: Optional[StepRecord] = None
+        self._compare: Optional[tuple[int, int, float]] = None
         self.last: dict[str, float] = {}
         """The metrics of the latest window (global rank 0)."""
         self._batches = 0
@@ -210,6 +205,7 @@ class UtilizationMonitor(L.Callback):
             return
         device_stats(strategy.root_device, meter="monitor")  # start the CPU-time meter
         self._batches, self._last_step, self._last_image, self.last = 0, trainer.global_step, trainer.global_step, {}
+        self._totals, self._seen, self._compare = DeviceTotals(), None, self._comparison(trainer, strategy)
         if trainer.is_global_zero:
             with _warn_on_error("log the layout"):
                 for logger in trainer.loggers:  # the run's config
@@ -221,9 +217,14 @@ class UtilizationMonitor(L.Callback):
         if strategy is None or not self._enabled:
             return
         self._batches += 1
+        records = strategy.step_records
+        if records and records[-1] is not self._seen:
+            self._seen = records[-1]
+            self._totals.add(records[-1], batch_size_of(args[1]) if len(args) > 1 else records[-1].samples)
         if trainer.global_step == self._last_step:
             return  # accumulating
         self._last_step = trainer.global_step
+        self._follow_comparison(trainer, strategy)
         every = self.every_n_steps or trainer.log_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log(trainer, strategy)
@@ -234,7 +235,37 @@ class UtilizationMonitor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         if strategy is not None and self._enabled:
-            self._write_trace(trainer, strategy)
+            if self._compare is not None and trainer.global_step > self._compare[0]:
+                strategy.set_cpu_fraction(self._compare[2])  # the run ended inside the comparison
+            self._write_trace(trainer, strategy, summarize=self.summarize)
+
+    # --------------------------------------------------------------- comparison
+
+    def _comparison(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> Optional[tuple[int, int, float]]:
+        """The optimizer steps after which the CPU fraction goes to 0 and comes back, where the run
+        needs its own measurement of the step without the CPU and has the steps for it."""
+        from lightning_hetero.rebalancer import AdaptiveRebalancer
+
+        if not self.summarize or not self.compare_steps or not strategy.topology.cpu_workers:
+            return None
+        if strategy.cpu_fraction <= 0 or any(isinstance(c, AdaptiveRebalancer) for c in trainer.callbacks):
+            return None
+        length = self.compare_steps + _SETTLE
+        start = trainer.global_step + length
+        if trainer.estimated_stepping_batches < start + 2 * length:
+            return None  # too short a run to spend steps on it
+        return start, start + length, strategy.cpu_fraction
+
+    def _follow_comparison(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> None:
+        # Every rank runs this after the same optimizer step, so all change the fraction together.
+        if self._compare is None:
+            return
+        start, stop, fraction = self._compare
+        if trainer.global_step == start:
+            strategy.set_cpu_fraction(0.0)
+        elif trainer.global_step == stop:
+            strategy.set_cpu_fraction(fraction)
+            self._compare = None
 
     # ------------------------------------------------------------------ logging
 
@@ -271,31 +302,87 @@ class UtilizationMonitor(L.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
         if self.image_every_n_steps and trainer.global_step - self._last_image >= self.image_every_n_steps:
             self._last_image = trainer.global_step
-            self._log_image(trainer, fractions)
+            caption = "busy (green), comm (blue), idle (grey): " + ", ".join(fractions)
+            self._log_image(trainer, utilization_image(fractions), "util/devices", caption)
 
-    def _log_image(self, trainer: L.Trainer, fractions: dict[str, dict[str, float]]) -> None:
-        image = utilization_image(fractions)
-        caption = "busy (green), comm (blue), idle (grey): " + ", ".join(fractions)
+    def _log_image(self, trainer: L.Trainer, image: np.ndarray, key: str, caption: str) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                logger.log_image(key="util/devices", images=[image], step=trainer.global_step, caption=[caption])
+                logger.log_image(key=key, images=[image], step=trainer.global_step, caption=[caption])
             elif isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("util/devices", image, trainer.global_step, dataformats="HWC")
+                logger.experiment.add_image(key, image, trainer.global_step, dataformats="HWC")
 
     # -------------------------------------------------------------------- trace
 
-    def _write_trace(self, trainer: L.Trainer, strategy: "HeteroStrategy") -> None:
+    def _write_trace(self, trainer: L.Trainer, strategy: "HeteroStrategy", summarize: bool = False) -> None:
         mine = (strategy.step_records[-self.trace_steps :], time.time() - time.perf_counter())
-        gathered = strategy.gather(mine, dst=0)
+        gathered = strategy.gather((*mine, self._totals if summarize else None), dst=0)
         directory = Path(self.save_dir or trainer.log_dir or trainer.default_root_dir)  # a collective: every rank
         if not trainer.is_global_zero:
             return
+        records, offsets = [r for r, _, _ in gathered], [o for _, o, _ in gathered]
         with _warn_on_error("write the trace"):
             path = directory / "trace.json"
-            trace = chrome_trace([r for r, _ in gathered], strategy.device_names, [o for _, o in gathered])
+            trace = chrome_trace(records, strategy.device_names, offsets)
             with atomic_write(path, "w") as f:  # never a half-written trace
                 f.write(json.dumps(trace))
             self.trace_path = path
+        if summarize:
+            with _warn_on_error("summarize the run"):
+                self._summarize(trainer, strategy, [t for _, _, t in gathered], _aligned(records, offsets), directory)
+
+    def _summarize(
+        self,
+        trainer: L.Trainer,
+        strategy: "HeteroStrategy",
+        totals: list[DeviceTotals],
+        step: list[Optional[StepRecord]],
+        directory: Path,
+    ) -> None:
+        topology, names = strategy.topology, strategy.device_names
+        roles = [topology.role(rank % topology.procs_per_node) for rank in range(len(totals))]
+        counted = sum(t.samples for role, t in zip(roles, totals) if role.is_cpu_worker or role.is_first_device)
+        devices = {
+            name: {**t.shares(), "share": t.samples * topology.num_nodes / counted if counted else 0.0}
+            for name, t in zip(names, totals)
+        }
+        # Every rank worked on every batch: a batch took as long as its slowest rank.
+        walls = [max(batch) for batch in zip(*(t.walls for t in totals))]
+        sizes = [size * topology.num_nodes for size in totals[0].sizes[-len(walls) :]] if walls else []
+        fractions = totals[0].fractions[-len(walls) :] if walls else []
+        self.summary = RunSummary(
+            devices=devices,
+            samples_per_s=sum(sizes) / sum(walls) if walls and sum(walls) > 0 else 0.0,
+            fraction=strategy.cpu_fraction,
+            gain=cpu_gain(fractions, walls, sizes, settle=_SETTLE),
+        )
+        rank_zero_info("hetero: what each device did in this run\n" + self.summary.table())
+        image = summary_image(devices, step)
+        self.image_path = write_png(image, directory / "devices.png")
+        for logger in trainer.loggers:
+            logger.log_metrics(self.summary.metrics(), step=trainer.global_step)
+        self._log_image(trainer, image, "util/summary", "the run (left) and one step (right): busy green, comm blue, idle grey")
+
+
+_SETTLE = 2
+"""Steps after a change of the CPU fraction left out of the comparison (a CPU worker catching up)."""
+
+
+def _aligned(records: Sequence[Sequence[StepRecord]], offsets: Sequence[float]) -> list[Optional[StepRecord]]:
+    """Every rank's record of one representative step (the median one by its slowest rank's time,
+    among the latest that every rank recorded), on the first rank's clock."""
+    count = min((len(r) for r in records), default=0)
+    if count == 0:
+        return []
+    walls = [max(r[i - count].total for r in records) for i in range(count)]
+    index = sorted(range(count), key=walls.__getitem__)[count // 2] - count
+    step = []
+    for rank_records, offset in zip(records, offsets):
+        shift = offset - offsets[0]
+        record = rank_records[index]
+        spans = [(kind, a + shift, b + shift) for kind, a, b in record.spans]
+        step.append(replace(record, start=record.start + shift, end=record.end + shift, spans=spans))
+    return step
 
 
 @contextmanager
