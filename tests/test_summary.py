@@ -173,3 +173,24 @@ def test_summary_is_quiet_where_lightning_is_silenced(tmp_path: Path) -> None:
         lightning_logger.setLevel(level)
     assert "what each device did" not in printed_to.read_text()
     assert any(row.get("hetero/samples_per_s") for row in read_metrics(tmp_path))  # still logged
+
+
+def test_pictures_go_to_tensorboard_too() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    class Board(TensorBoardLogger):  # the logger's image call, without the tensorboard package
+        def __init__(self) -> None:
+            self.images: list = []
+
+        @property
+        def experiment(self) -> Board:  # type: ignore[override]
+            return self
+
+        def add_image(self, key: str, image: np.ndarray, step: int, dataformats: str) -> None:
+            self.images.append((key, image.shape, step, dataformats))
+
+    board, image = Board(), summary_image({"cpu0": {"busy": 1.0}})
+    UtilizationMonitor()._log_image(SimpleNamespace(loggers=[board], global_step=7), image, "util/summary", "")
+    assert board.images == [("util/summary", image.shape, 7, "HWC")]
