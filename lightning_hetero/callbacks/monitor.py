@@ -355,6 +355,8 @@ class UtilizationMonitor(L.Callback):
             samples_per_s=sum(sizes) / sum(walls) if walls and sum(walls) > 0 else 0.0,
             fraction=strategy.cpu_fraction,
             gain=cpu_gain(fractions, walls, sizes, settle=_SETTLE),
+            cpu_workers=topology.cpu_workers,
+            cpu_shared=any(fraction > 0 for fraction in fractions),
         )
         rank_zero_info("hetero: what each device did in this run\n" + self.summary.table())
         image = summary_image(devices, step)

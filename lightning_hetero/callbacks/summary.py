@@ -158,6 +158,10 @@ class RunSummary:
     fraction: float
     """The CPU fraction the run ended with."""
     gain: Optional[CpuGain] = None
+    cpu_workers: int = 1
+    """CPU workers per node."""
+    cpu_shared: bool = True
+    """Some batch of the run gave the CPU workers a share."""
 
     def table(self) -> str:
         """The devices as a text table, then a line on what the CPU bought."""
@@ -172,6 +176,10 @@ class RunSummary:
 
     def verdict(self) -> str:
         gain = self.gain
+        if gain is None and not self.cpu_workers:
+            return f"The run trained {self.samples_per_s:,.0f} samples/s, with no CPU worker."
+        if gain is None and not self.cpu_shared:
+            return f"The run trained {self.samples_per_s:,.0f} samples/s; the CPU workers had no share of any batch."
         if gain is None:
             return (
                 f"The run trained {self.samples_per_s:,.0f} samples/s at CPU fraction {self.fraction:.2f}; no batches"
