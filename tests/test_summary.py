@@ -149,17 +149,18 @@ def test_summary_measures_what_the_cpu_bought(tmp_path: Path, monkeypatch: pytes
 def test_no_comparison_beside_a_rebalancer_or_when_switched_off(tmp_path: Path) -> None:
     for callbacks in ([UtilizationMonitor(compare_steps=0)], [UtilizationMonitor(), AdaptiveRebalancer(verbose=False)]):
         trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=40, callbacks=callbacks).fit(Net(), regression_data(n=48))
-        fractions = [float(row["hetero/cpu_fraction"]) for row in read_metrics(tmp_path) if row.get("hetero/cpu_fraction")]
-        assert len(fractions) == 1
+        rows = read_metrics(tmp_path)
+        fractions = [row["hetero/cpu_fraction"] for row in rows if "hetero/cpu_fraction" in row]
+        assert len(fractions) == 1  # logged once, at the end (the rebalancer may have moved it to 0)
         if len(callbacks) == 1:  # fixed at 0.5 throughout: nothing to compare with
-            assert fractions == [0.5] and not any(row.get("hetero/cpu_gain") for row in read_metrics(tmp_path))
+            assert fractions == [0.5] and not any("hetero/cpu_gain" in row for row in rows)
 
 
 def test_summary_switched_off(tmp_path: Path) -> None:
     monitor = UtilizationMonitor(summary=False)
     trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=30, callbacks=[monitor]).fit(Net(), regression_data(n=48))
     assert not (tmp_path / "devices.png").exists() and (tmp_path / "trace.json").exists()
-    assert not any(row.get("hetero/samples_per_s") for row in read_metrics(tmp_path))
+    assert not any("hetero/samples_per_s" in row for row in read_metrics(tmp_path))
 
 
 def test_summary_is_quiet_where_lightning_is_silenced(tmp_path: Path) -> None:
@@ -174,7 +175,7 @@ def test_summary_is_quiet_where_lightning_is_silenced(tmp_path: Path) -> None:
     finally:
         lightning_logger.setLevel(level)
     assert "what each device did" not in printed_to.read_text()
-    assert any(row.get("hetero/samples_per_s") for row in read_metrics(tmp_path))  # still logged
+    assert any("hetero/samples_per_s" in row for row in read_metrics(tmp_path))  # still logged
 
 
 def test_pictures_go_to_tensorboard_too() -> None:
