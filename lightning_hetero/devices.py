@@ -1,16 +1,24 @@
 """What a rank's process and device are using: CPU utilization, memory, and on CUDA the GPU's
-utilization (NVML, through nvidia-ml-py) and torch's memory counters."""
+utilization (NVML, through nvidia-ml-py) and torch's memory counters; and how the process's
+allocator keeps freed memory (``keep_freed_memory``)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import sys
 import time
 from typing import Optional
 
 import psutil
 import torch
 
-__all__ = ["device_stats"]
+__all__ = ["device_stats", "keep_freed_memory"]
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 _process: Optional[psutil.Process] = None
 _meters: dict[str, tuple[float, float]] = {}
@@ -50,3 +58,26 @@ def _nvml(device: torch.device) -> dict[str, float]:
     except Exception:  # no driver, no permission, no nvidia-ml-py: torch's numbers still stand
         return {}
     return {"gpu_util": rates.gpu / 100.0, "gpu_mem_used_gb": memory.used / 2**30, "gpu_mem_total_gb": memory.total / 2**30}
+
+
+def keep_freed_memory(mmap_bytes: int = 32 * 2**20, trim_bytes: int = 1024 * 2**20) -> bool:
+    """Have glibc's malloc keep memory this process frees for reuse, instead of handing it back to
+    the operating system and faulting fresh pages in at the next step: blocks up to ``mmap_bytes``
+    come from the heap, and up to ``trim_bytes`` of free heap stay with the process. Every step
+    frees and allocates its gradients and the optimizer's temporaries again; with glibc's adaptive
+    defaults a process started by fork or forkserver paid 15% of a small model's step for it
+    (BENCHMARKS.md), as PyTorch's performance guide suggests tcmalloc or jemalloc for. Left as it is
+    where the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` (or
+    ``LIGHTNING_HETERO_KEEP_FREED_MEMORY=0``), and off glibc. Returns whether it changed anything."""
+    if not sys.platform.startswith("linux") or os.environ.get("LIGHTNING_HETERO_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    changed = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+    log.debug("hetero: malloc keeps freed memory (%s)", changed)
+    return changed

@@ -46,6 +46,7 @@ from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.checkpoints import StageCheckpoints
 from lightning_hetero.collectives import ControlCollectives
 from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.devices import keep_freed_memory
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
@@ -333,6 +334,7 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        keep_freed_memory()  # every step frees and allocates its gradients again (`devices.py`)
         reset_seed()
         self.set_world_ranks()
         self._plan = self._plan.for_model(self.lightning_module)  # the groups differ by parallelism

@@ -205,3 +205,26 @@ def test_fine_mode_bucket_steps_have_a_track_of_their_own(tmp_path: Path, offloa
         per_step = {s: sorted(e["name"] for e in steps if e["args"]["step"] == s) for s in {e["args"]["step"] for e in steps}}
         assert len(per_step) == 3 and len({tuple(names) for names in per_step.values()}) == 1
         assert len(set(next(iter(per_step.values())))) == len(next(iter(per_step.values())))
+
+
+def test_processes_keep_freed_memory_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from lightning_hetero.devices import keep_freed_memory
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, parameter: int, value: int) -> int:
+            calls.append((parameter, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LIGHTNING_HETERO_KEEP_FREED_MEMORY"):
+        monkeypatch.delenv(name, raising=False)
+    assert keep_freed_memory() and calls == [(-3, 32 * 2**20), (-1, 2**30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    for name, value in (("LIGHTNING_HETERO_KEEP_FREED_MEMORY", "0"), ("MALLOC_TRIM_THRESHOLD_", "131072")):
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            assert not keep_freed_memory() and calls == []  # the user's own choice stands
