@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 
@@ -46,6 +46,9 @@ from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
 from lightning_hetero.shares import largest_divisor_at_most, split_batch
 from lightning_hetero.topology import Topology, threads_for
+
+if TYPE_CHECKING:
+    from lightning_hetero.loading import CoreSplit, LoaderTimes
 
 __all__ = [
     "Machine",
@@ -59,7 +62,6 @@ __all__ = [
     "finish_times",
     "choose_offload",
     "offload_plan",
-    "split_cores",
     "plan_run",
     "plan_replicas",
     "predict_replicas",
@@ -143,6 +145,9 @@ class Prediction:
     (``share_cores``); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
     overhead_s: float = 0.0
     """The profile's fixed cost per step, included in ``step_s``."""
+    data_s: float = 0.0
+    """What waiting for the batch adds to the step (loading it, or the cores the loaders take from
+    the compute; ``loading.split_cores``), included in ``step_s``."""
     optimizer_by_role: dict[str, float] = field(default_factory=dict)
     """Per profile role that steps (``"stage0"``, ..., ``"cpu"`` for the CPU workers), when its
     optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them. Stages
@@ -640,17 +645,6 @@ def offload_plan(
     return sorted(chosen)
 
 
-def split_cores(cores: int, cpu_workers: int, stages_on_cpu: int, load_s: float, step_s: float) -> tuple[int, Optional[int]]:
-    """(DataLoader workers per rank, CPU-worker threads) so that input never stalls a step: when
-    loading a batch in the training process takes ``load_s``, longer than a step, enough worker
-    processes load ahead, and the CPU workers' threads give way to them first."""
-    if step_s <= 0 or load_s <= 0.9 * step_s:
-        return 0, None
-    loaders = math.ceil(load_s / step_s)
-    left = cores - stages_on_cpu - loaders * (cpu_workers + stages_on_cpu)
-    return loaders, max(1, left // max(1, cpu_workers))
-
-
 def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_size: Optional[int] = None) -> Prediction:
     """The cost model's step time for the layout ``plan`` describes (at the profile's batch size
     unless told), as ``plan_run`` (or, for replicas, ``plan_replicas``) predicts it."""
@@ -766,10 +760,13 @@ def explain(
     prediction: Prediction,
     measured_step_s: Optional[float] = None,
     alternative: Optional[tuple[HeteroPlan, Prediction]] = None,
+    loading: Optional[tuple[LoaderTimes, CoreSplit]] = None,
 ) -> str:
     """A table: per layer, its time on each profiled device and the stage it was placed on;
     then the predicted step (and the measured one, once training has run), and the best layout of
-    the other parallelism (``alternative``, from ``compare_layouts``) beside it."""
+    the other parallelism (``alternative``, from ``compare_layouts``) beside it; and the training
+    DataLoader's measured time per batch by worker processes with the split of the cores chosen
+    from it (``loading``)."""
     roles = list(profile.devices)
     names = [layer.name for layer in profile.layers]
     bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) == 1 else [])
@@ -801,6 +798,21 @@ def explain(
         f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
     )
     rows.append("memory per stage: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    if loading is not None:
+        times, split = loading
+        rows.append("")
+        rows.append(f"loading a batch (the training DataLoader, {times.batch_size} samples, measured in one process):")
+        rows += times.rows()
+        rows.append(
+            f"the step, waiting for data included, for {split.compute_s * 1e3:.2f} ms of compute"
+            f" ({split.loading_cores:.2f} cores busy loading at the choice):"
+        )
+        rows += split.rows()
+        threads = "as the topology shares the cores" if split.cpu_threads is None else str(split.cpu_threads)
+        rows.append(
+            f"chosen: {split.dataloader_workers} DataLoader worker(s) per rank; CPU-worker threads: {threads};"
+            f" waiting for data adds {(split.step_s - split.compute_s) * 1e3:.2f} ms to the step"
+        )
     if measured_step_s is not None:
         error = measured_step_s / prediction.step_s - 1
         rows.append(f"measured step {measured_step_s * 1e3:.2f} ms ({error:+.0%} vs predicted)")

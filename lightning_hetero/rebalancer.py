@@ -23,7 +23,7 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import lightning as L
@@ -32,9 +32,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_hetero.loading import LoadBalancer
 from lightning_hetero.record import StepRecord
 from lightning_hetero.shares import split_batch
 from lightning_hetero.strategy import hetero_strategy
+from lightning_hetero.topology import usable_cores
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -77,9 +79,12 @@ class Window:
     """Seconds per batch spent summing gradients that no rank could hide."""
     overhead: float
     """The rest of the time per batch: the optimizer, loading the batch, the training loop."""
+    data: float = 0.0
+    """Seconds per batch the slowest rank spent between steps: waiting for its batch, and the
+    training loop's own work."""
 
 
-_SUMMED = ("samples", "share", "sync", "total")
+_SUMMED = ("samples", "share", "sync", "total", "data")
 
 
 def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optional[Window]:
@@ -97,7 +102,7 @@ def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optio
             step["batches"] += 1
         per_rank.append(steps)
     common = set.intersection(*(set(steps) for steps in per_rank)) if per_rank else set()
-    cpu, pipe, sync, totals, sizes, overhead = [], [], [], [], [], []
+    cpu, pipe, sync, totals, sizes, overhead, data = [], [], [], [], [], [], []
     for key in sorted(common):
         step = [steps[key] for steps in per_rank]
         batches = max(s["batches"] for s in step)
@@ -114,6 +119,7 @@ def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optio
             pipe.append(pipe_time / pipeline)
         total, hidden = max(s["total"] for s in step), min(s["sync"] for s in step)
         totals.append(total / batches)
+        data.append(max(s["data"] for s in step) / batches)
         sync.append(hidden / batches)
         overhead.append(max(0.0, total - max(cpu_time, pipe_time) - hidden) / batches)
     if not totals:
@@ -127,6 +133,7 @@ def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optio
         pipeline_per_sample=statistics.median(pipe) if pipe else None,
         sync=statistics.median(sync),
         overhead=statistics.median(overhead),
+        data=statistics.median(data),
     )
 
 
@@ -139,6 +146,12 @@ class Decision:
     target: Optional[float] = None
     """The fraction where both sides would finish together (before the grid and the step bound)."""
     predicted_step_time: Optional[float] = None
+    dataloader_workers: Optional[int] = None
+    """DataLoader workers per rank from the next epoch (``balance_loading``)."""
+    cpu_threads: Optional[int] = None
+    """Torch threads per CPU worker from now on (``balance_loading``)."""
+    loading: Optional[str] = None
+    """Why the split between loading and compute is what it is (``loading.LoadBalancer``)."""
 
 
 @dataclass
@@ -389,7 +402,12 @@ class AdaptiveRebalancer(L.Callback):
         margin: how much faster than the baseline the step must be for the CPU to keep a share.
         probe_after: decisions at fraction 0 before the CPU is tried again (doubling, up to 8x,
             while tries keep failing).
-        verbose: print every decision that changes the fraction.
+        balance_loading: also split the cores between loading and compute as the wait for data
+            changes (``loading.LoadBalancer``): more DataLoader workers per rank (from the next epoch;
+            only DataLoaders the strategy's ``dataloader_workers`` lets the run tune) and fewer
+            CPU-worker threads while the step waits for its batches, and back once it no longer does.
+        max_dataloader_workers: the most DataLoader workers per rank it gives (``None``: one per core).
+        verbose: print every decision that changes the fraction or the split.
     """
 
     def __init__(
@@ -400,6 +418,8 @@ class AdaptiveRebalancer(L.Callback):
         deadband: float = 0.02,
         margin: float = 0.01,
         probe_after: int = 10,
+        balance_loading: bool = True,
+        max_dataloader_workers: Optional[int] = None,
         verbose: bool = True,
     ) -> None:
         if every_n_steps < 1 or not 0 <= warmup_steps < every_n_steps:
@@ -414,6 +434,10 @@ class AdaptiveRebalancer(L.Callback):
         self.every_n_steps = every_n_steps
         self.warmup_steps = warmup_steps
         self.verbose = verbose
+        self.balance_loading = balance_loading
+        self.max_dataloader_workers = max_dataloader_workers
+        self.loading: Optional[LoadBalancer] = None
+        self._workers_in_effect = True
         self._settings = dict(
             max_step=max_step, deadband=deadband, margin=margin, probe_after=probe_after, max_probe_after=8 * probe_after
         )
@@ -437,18 +461,35 @@ class AdaptiveRebalancer(L.Callback):
             )
             return
         self.balancer = Balancer(strategy.micro_batches, strategy.topology.cpu_workers, **self._settings)
+        self.loading = _load_balancer(strategy, self.max_dataloader_workers) if self.balance_loading else None
         self._pending, self._last_step = _Pending(), trainer.global_step
         if self._restored is not None:
             self.balancer.load_state_dict(self._restored["balancer"])
+            if self.loading is not None and self._restored.get("loading"):
+                self.loading.load_state_dict(self._restored["loading"])
             self.decisions = list(self._restored["decisions"])
             self._restored = None
             decision = Decision(self.balancer.fraction, "resume")
+            if self.loading is not None:
+                split = {"dataloader_workers": self.loading.workers, "cpu_threads": self.loading.threads}
+                decision = replace(decision, **split, loading="resume")
         else:
             decision = self.balancer.start(strategy.cpu_fraction)
         if trainer.is_global_zero:
             self._log_decision(trainer, decision, None)
         # Rank 0's word, whatever each rank restored.
-        self._apply(trainer, strategy, strategy.broadcast((decision, self.balancer.state_dict()), src=0))
+        self._apply(trainer, strategy, strategy.broadcast((decision, *self._states()), src=0))
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Resuming: the split of the cores the checkpoint holds, before the first epoch's iterator
+        # starts its loader workers (Lightning sets the training data up after this hook).
+        strategy = hetero_strategy(trainer)
+        restored = (self._restored or {}).get("loading")
+        if strategy is None or not self.balance_loading or not restored or not strategy.topology.cpu_workers:
+            return
+        strategy.set_dataloader_workers(restored["workers"])
+        strategy.set_cpu_threads(restored["threads"])
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -481,8 +522,12 @@ class AdaptiveRebalancer(L.Callback):
             try:
                 window = summarize(records, self.balancer.fraction)
                 decision = self.balancer.decide(window) if window is not None else Decision(self.balancer.fraction, "hold")
+                if self.loading is not None and window is not None:
+                    self._adopt_split(strategy)
+                    workers, threads, why = self.loading.decide(window.step_time, window.data, self._workers_in_effect)
+                    decision = replace(decision, dataloader_workers=workers, cpu_threads=threads, loading=why)
                 self._log_decision(trainer, decision, window)
-                outcome = (decision, self.balancer.state_dict())
+                outcome = (decision, *self._states())
             except Exception as error:  # every rank must hear of it, or they wait in the broadcast
                 failure = error
                 outcome = RuntimeError(f"AdaptiveRebalancer failed on global rank 0: {error!r}")
@@ -491,23 +536,68 @@ class AdaptiveRebalancer(L.Callback):
             raise failure or outcome
         self._apply(trainer, strategy, outcome)
 
-    def _apply(self, trainer: L.Trainer, strategy: "HeteroStrategy", broadcast: tuple[Decision, dict[str, Any]]) -> None:
-        """Take rank 0's decision and its balancer's state, and run with the decided fraction."""
-        decision, state = broadcast
+    def _adopt_split(self, strategy: "HeteroStrategy") -> None:
+        """Take a split of the cores made elsewhere (the workload analyzer's, after its warm-up) as
+        the one to start from, once it is in effect and no move of the balancer's waits."""
+        assert self.loading is not None
+        loaders = strategy.tuned_loaders
+        workers = loaders[0].num_workers if loaders else self.loading.workers
+        threads = strategy.cpu_worker_threads
+        if self._workers_in_effect and self.loading.last_move is None and (workers, threads) != (
+            self.loading.workers,
+            self.loading.threads,
+        ):
+            self.loading.adopt(workers, threads)
+
+    def _states(self) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+        assert self.balancer is not None
+        return self.balancer.state_dict(), self.loading.state_dict() if self.loading is not None else None
+
+    def _apply(self, trainer: L.Trainer, strategy: "HeteroStrategy", broadcast: tuple[Any, ...]) -> None:
+        """Take rank 0's decision and its balancers' state, and run with the decided fraction and
+        threads (a new number of loader workers waits for the next epoch: ``on_train_epoch_start``)."""
+        decision, state, loading = broadcast
         assert self.balancer is not None
         self.balancer.load_state_dict(state)
+        if self.loading is not None and loading is not None:
+            self.loading.load_state_dict(loading)
         changed = decision.fraction != strategy.cpu_fraction
         strategy.set_cpu_fraction(decision.fraction)
-        self._pending = _Pending(changed=changed or decision.reason in ("resume", "baseline"))
+        moved = decision.loading in ("stall", "recovered", "undo", "resume")
+        threads = moved and decision.cpu_threads != strategy.cpu_worker_threads
+        loaders = strategy.tuned_loaders
+        workers = moved and bool(loaders) and decision.dataloader_workers != loaders[0].num_workers
+        if threads:
+            strategy.set_cpu_threads(decision.cpu_threads)
+        if workers:
+            self._workers_in_effect = False  # from the next epoch (`on_train_epoch_start`)
+        self._pending = _Pending(changed=changed or threads or decision.reason in ("resume", "baseline"))
         if changed and self.verbose:
             rank_zero_info(
                 f"AdaptiveRebalancer: step {trainer.global_step}: CPU fraction -> {decision.fraction:.4f}"
                 f" ({decision.reason})"
             )
+        if (threads or workers) and self.verbose:
+            rank_zero_info(
+                f"AdaptiveRebalancer: step {trainer.global_step}: {decision.dataloader_workers} DataLoader worker(s)"
+                f" per rank (from the next epoch), {decision.cpu_threads} thread(s) per CPU worker ({decision.loading})"
+            )
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before the epoch's iterator starts: a new number of loader workers takes effect here.
+        strategy = hetero_strategy(trainer)
+        if strategy is None or self.loading is None or self._workers_in_effect:
+            return
+        strategy.set_dataloader_workers(self.loading.workers)
+        self._workers_in_effect = True
+        self._pending = _Pending()  # the next decision measures the new split only
 
     def _log_decision(self, trainer: L.Trainer, decision: Decision, window: Optional[Window]) -> None:
         assert self.balancer is not None
         entry: dict[str, Any] = {"step": trainer.global_step, "fraction": decision.fraction, "reason": decision.reason}
+        if decision.loading is not None:
+            entry["loading"] = decision.loading
         metrics = {"rebalancer/cpu_fraction": decision.fraction, "rebalancer/reason": REASONS.index(decision.reason)}
         values = {
             "target": decision.target,
@@ -517,6 +607,9 @@ class AdaptiveRebalancer(L.Callback):
             "cpu_s_per_sample": window.cpu_per_sample if window is not None else None,
             "pipeline_s_per_sample": window.pipeline_per_sample if window is not None else None,
             "sync_s": window.sync if window is not None else None,
+            "data_s": window.data if window is not None else None,
+            "dataloader_workers": decision.dataloader_workers,
+            "cpu_threads": decision.cpu_threads,
         }
         for key, value in values.items():
             if value is not None:
@@ -533,12 +626,23 @@ class AdaptiveRebalancer(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.balancer is None:
             return {}
-        return {"balancer": self.balancer.state_dict(), "decisions": list(self.decisions)}
+        loading = self.loading.state_dict() if self.loading is not None else None
+        return {"balancer": self.balancer.state_dict(), "loading": loading, "decisions": list(self.decisions)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
 
+
+
+def _load_balancer(strategy: "HeteroStrategy", most: Optional[int]) -> LoadBalancer:
+    """The split between loading and compute the run starts from: its tuned DataLoaders' workers (or
+    0 where it tunes none), and its CPU workers' threads; at most ``most`` workers per rank (``None``:
+    one per core)."""
+    loaders = strategy.tuned_loaders
+    workers = loaders[0].num_workers if loaders else 0
+    most = usable_cores() if most is None else most
+    return LoadBalancer(workers, strategy.cpu_worker_threads, max(workers, most), movable_workers=bool(loaders))
 
 
 def earn_fraction(trainer: L.Trainer) -> None:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from weakref import WeakSet
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -33,12 +34,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -50,6 +52,8 @@ from lightning_hetero.devices import keep_freed_memory
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
+from lightning_hetero.layout import Planner, RunLayout
+from lightning_hetero.loading import LoaderPolicy, check_loader_policy, tunable
 from lightning_hetero.module import check_optimizers
 from lightning_hetero.offload import BucketStep
 from lightning_hetero.pipeline import ScheduleArg
@@ -58,21 +62,17 @@ from lightning_hetero.plan import LAYOUT_ARGUMENTS, HeteroPlan, layout_plan
 from lightning_hetero.precision import HeteroPrecision
 from lightning_hetero.record import StepRecord
 from lightning_hetero.results import sync_metrics_over
-from lightning_hetero.shares import Shares, batch_size_of, split_batch
+from lightning_hetero.shares import batch_size_of
 from lightning_hetero.state import move_materialized
-from lightning_hetero.topology import ProcessGroups, Role, StagesArg, Topology, connect
-from lightning_hetero.topology import resolve_stage_devices, threads_for, usable_cores
+from lightning_hetero.topology import ProcessGroups, StagesArg, connect
+from lightning_hetero.topology import resolve_stage_devices
 from lightning_hetero.workers import check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
 
 log = logging.getLogger(__name__)
 
-Planner = Callable[["pl.Trainer", "HeteroStrategy", list[nn.Module]], HeteroPlan]
-"""What gives a run its plan when the strategy is about to cut the model (``plan_with``)."""
-
-
-class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
+class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelStrategy):
     """Train one model on CPU workers and a pipeline of stages at the same time (docs/how-it-works.md).
 
     Args:
@@ -93,6 +93,10 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
             ``"auto"`` (on GPU stages, until the state left on the GPU fits in a quarter of it).
         bucket_size_mb: fine mode: the parameter size that closes a bucket (whole layers of one stage).
         plan: a ``HeteroPlan`` or its YAML file, replayed exactly (leave the arguments above as they are).
+        dataloader_workers: the DataLoaders' worker processes per rank: ``"auto"`` plans them (with the
+            workload analyzer) and re-splits them with the cores while training (with the rebalancer) for
+            training DataLoaders left at ``num_workers=0``, keeping a count you set; ``"tune"`` also for
+            those; ``"keep"`` never changes one; an int sets every DataLoader's (``docs/planning.md``).
         parallelism: what the devices hold: ``"pipeline"``, a stage each, cut from the model's blocks;
             ``"replicas"``, the whole model each (any LightningModule); ``"auto"``: a pipeline where the model offers blocks.
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
@@ -120,6 +124,7 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
         nonfinite: NonfinitePolicy = "error",
         emulated_speed: Optional[Mapping[str, float]] = None,
         parallelism: Literal["auto", "pipeline", "replicas"] = "auto",
+        dataloader_workers: LoaderPolicy = "auto",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -134,6 +139,10 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
         arguments = {name: value for name, value in locals().items() if name in LAYOUT_ARGUMENTS}
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
         self._earned_fraction = plan is None and cpu_fraction == "auto"
+        self._loader_policy = check_loader_policy(dataloader_workers)
+        if isinstance(self._loader_policy, int):
+            self._plan = replace(self._plan, dataloader_workers=self._loader_policy)
+        self._tuned_loaders: WeakSet[DataLoader] = WeakSet()
         self._stage_devices = resolve_stage_devices(self._plan.stages)
         self._start_method = resolve_start_method(start_method)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -143,98 +152,6 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
         self._groups: Optional[ProcessGroups] = None
         self._engine: Optional[StepEngine] = None
         self._planner: Optional[Planner] = None
-
-    # ------------------------------------------------------------------ layout
-
-    @property
-    def plan(self) -> HeteroPlan:
-        """The run's layout: the plan given, the plan of the layout arguments, or the workload analyzer's
-        once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
-        return self._plan
-
-    def plan_with(self, planner: Planner) -> None:
-        """Have ``planner(trainer, strategy, blocks)`` give this run's plan, on every rank, when the
-        strategy is about to cut the model: in its ``setup``, once per process, after the module's
-        ``setup`` and ``configure_model``, in the run's precision (``WorkloadAnalyzer`` registers
-        itself from its own ``setup`` hook)."""
-        self._planner = planner
-
-    def apply_plan(self, plan: HeteroPlan) -> None:
-        """Take a plan's layout before the model is cut. Its stages, CPU workers and mode must be the
-        run's: the processes exist already."""
-        if not plan.runs_on(self._plan):
-            raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
-        if self._engine is not None:
-            raise RuntimeError("`apply_plan` must come before the strategy cuts the model (its `setup`).")
-        self._plan = replace(plan, cpu_threads=self._plan.cpu_threads if plan.cpu_threads is None else plan.cpu_threads)
-        log.info("hetero: applied a plan:\n%s", self._plan.table())
-        self._set_threads()
-
-    def layout(self) -> dict[str, Any]:
-        """This run's layout, for logs."""
-        return {**self._plan.as_dict(), "num_nodes": self._num_nodes}
-
-    @property
-    def mode(self) -> str:
-        return self._plan.mode
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches of the pipeline's share: 1 where the devices do not pipeline (replicas, one stage)."""
-        return self._plan.micro_batches if not self.topology.replicas and len(self._stage_devices) > 1 else 1
-
-    @property
-    def cpu_fraction(self) -> float:
-        """The share of each batch the CPU workers compute."""
-        return self._plan.cpu_fraction
-
-    def set_cpu_fraction(self, fraction: float) -> None:
-        """Give the CPU workers ``fraction`` of the batches from the next one on (the plan checks it).
-        Every rank must set the same value at the same step (decide on one rank and broadcast)."""
-        self._plan = replace(self._plan, cpu_fraction=float(fraction))
-        self._set_threads()
-
-    def _set_threads(self) -> None:
-        # An emulated stage takes the cores of CPU workers that have no share (`threads_for`).
-        if self._groups is None:  # not in a worker process (yet)
-            return
-        threads = threads_for(self.role, self.topology, usable_cores(), self._plan.cpu_threads, self.cpu_fraction > 0)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-            if self._engine is not None:
-                self._engine.sync.set_threads(threads)
-
-    def shares(self, batch_size: int) -> Shares:
-        """How a batch of ``batch_size`` samples is divided this step."""
-        return split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self.micro_batches)
-
-    @property
-    def emulated_speed(self) -> dict[str, float]:
-        """TESTING ONLY: the samples per second workers are slowed down to (see the class doc)."""
-        return dict(self._emulated_speed)
-
-    def set_emulated_speed(self, speed: Optional[Mapping[str, float]]) -> None:
-        """TESTING ONLY: emulate other worker speeds from the next batch on (``None``: real speed)."""
-        self._emulated_speed = check_emulated_speed(speed)
-        if self._engine is not None:
-            self._engine.pace(self._emulated_speed)
-
-    def check_model(self, model: LightningModule) -> list[nn.Module]:
-        """The model's blocks, after checking the contract and that they fill the stages; decides
-        ``parallelism="auto"`` for the model."""
-        self._plan = self._plan.for_model(model)
-        return self._plan.place_blocks(model)[0]
-
-    # ------------------------------------------------------- ranks and devices
-
-    @property
-    def topology(self) -> Topology:
-        replicas = self._plan.parallelism == "replicas"
-        return Topology(cpu_workers=self._plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes, replicas=replicas)
-
-    @property
-    def role(self) -> Role:
-        return self.topology.role(self.local_rank)
 
     @property
     def device_names(self) -> list[str]:
@@ -308,9 +225,15 @@ class HeteroStrategy(StageCheckpoints, ControlCollectives, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = same_batches_on_every_rank(dataloader, self.lightning_module.trainer.state.stage)
-        workers = self._plan.dataloader_workers
-        return with_workers(dataloader, workers) if workers is not None else dataloader
+        stage = self.lightning_module.trainer.state.stage
+        dataloader = same_batches_on_every_rank(dataloader, stage)
+        workers, policy = self._plan.dataloader_workers, self._loader_policy
+        if not (isinstance(policy, int) or tunable(dataloader, policy)):
+            return dataloader
+        dataloader = with_workers(dataloader, workers) if workers is not None else dataloader
+        if stage == RunningStage.TRAINING and not isinstance(policy, int):
+            self._tuned_loaders.add(dataloader)  # type: ignore[arg-type]
+        return dataloader
 
     @property
     @override

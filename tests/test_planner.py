@@ -22,7 +22,6 @@ from lightning_hetero.planner import (
     predict,
     predict_plan,
     share_cores,
-    split_cores,
     step_method_rate,
 )
 from lightning_hetero.plan import HeteroPlan
@@ -374,11 +373,6 @@ def test_fine_mode_plans_a_stage_that_fits_only_with_offload() -> None:
         plan_run(prof, gpus, 16, mode="coarse")
     plan, _ = plan_run(prof, gpus, 16, mode="fine", bucket_size_mb=1)
     assert plan.offload == [0, 1, 2, 3]
-
-
-def test_cores_go_to_loading_when_input_would_stall() -> None:
-    assert split_cores(cores=16, cpu_workers=1, stages_on_cpu=0, load_s=0.01, step_s=0.1) == (0, None)
-    assert split_cores(cores=16, cpu_workers=1, stages_on_cpu=0, load_s=0.25, step_s=0.1) == (3, 13)
 
 
 def test_hypothetical_machine_scales_devices_cores_and_links() -> None:

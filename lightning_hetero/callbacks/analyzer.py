@@ -26,9 +26,11 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hetero.data import training_loader
+from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, split_cores, tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
@@ -38,7 +40,6 @@ from lightning_hetero.planner import (
     explain,
     compare_layouts,
     predict_plan,
-    split_cores,
     step_method_rate,
 )
 from lightning_hetero.profiling import (
@@ -126,7 +127,11 @@ class WorkloadAnalyzer(L.Callback):
         """The best layout of the other parallelism (replicas beside a pipeline, or the reverse) for
         the same run, and its prediction, where one fits."""
         self.profile: Optional[Profile] = None
+        self.loading: Optional[tuple[LoaderTimes, CoreSplit]] = None
+        """The training DataLoader's time per batch by worker processes, and the split of the cores
+        between loading and compute chosen from it (``loading.py``)."""
         self.measured_step_s: Optional[float] = None
+        self._workers_next_epoch: Optional[int] = None
         self._calibrated = False
         self._steps: list[float] = []
         self._planned = False
@@ -167,9 +172,9 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            result = [(*self._plan(trainer, strategy, parts, batch_size), self.alternative)]
+            result = [(*self._plan(trainer, strategy, parts, batch_size), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
-        self.plan, self.prediction, self.profile, self.alternative = result[0]
+        self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
 
     def _measure(
@@ -349,7 +354,7 @@ class WorkloadAnalyzer(L.Callback):
                 links.setdefault(name, link)
             if part["memory"] is not None:
                 memory[part["role"]] = part["memory"]
-        load_s, cores = self._load_time(trainer), usable_cores()
+        cores = usable_cores()
         profile = Profile(
             batch_size=batch_size,
             layers=parts[0]["layers"],
@@ -358,10 +363,9 @@ class WorkloadAnalyzer(L.Callback):
             optimizer_state_factor=parts[0]["state_factor"],
             cpu_cores=cores,
             device_memory=memory,
-            step_overhead_s=load_s + max(part["exchange_s"] for part in parts),
+            step_overhead_s=max(part["exchange_s"] for part in parts),
             shared_cores=_shared_cores(parts, cores),
         )
-        topology = strategy.topology
         layouts = compare_layouts(
             profile,
             _machine(strategy, profile),
@@ -379,24 +383,34 @@ class WorkloadAnalyzer(L.Callback):
             raise ValueError(f"No layout of {running} fits: {what} exceeds some device's memory.")
         plan, prediction = layouts.pop(running)
         self.alternative = next(iter(layouts.values()), None)
-        cpu_stages = sum(d.type == "cpu" for d in topology.stage_devices)
-        workers, threads = split_cores(profile.cpu_cores, topology.cpu_workers, cpu_stages, load_s, prediction.step_s)
-        if workers:
-            plan.dataloader_workers, plan.cpu_threads = workers, threads
+        self.loading = self._split_cores(trainer, strategy, plan, prediction, cores)
+        if self.loading is not None:
+            split = self.loading[1]
+            plan.dataloader_workers, plan.cpu_threads = split.dataloader_workers, split.cpu_threads
+            plan.predicted_step_s = split.step_s
+            prediction = replace(prediction, step_s=split.step_s, data_s=split.step_s - prediction.step_s)
         return plan, prediction, profile
 
-    def _load_time(self, trainer: L.Trainer, batches: int = 3) -> float:
-        """Seconds the training process takes to load a batch itself (median of a few)."""
-        loader = training_loader(trainer)
-        iterator, times = iter(loader), []
-        for _ in range(batches):
-            start = time.perf_counter()
-            try:
-                next(iterator)
-            except StopIteration:
-                break
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) if times else 0.0
+    @staticmethod
+    def _split_cores(
+        trainer: L.Trainer, strategy: "HeteroStrategy", plan: HeteroPlan, prediction: Prediction, cores: int
+    ) -> Optional[tuple[LoaderTimes, CoreSplit]]:
+        """Measure the training DataLoader by worker processes (where ``dataloader_workers`` lets the
+        run choose them; otherwise as it was built) and split the cores between loading and compute."""
+        loader, topology = training_loader(trainer), strategy.topology
+        if not isinstance(loader, DataLoader):
+            return None
+        policy = strategy.dataloader_workers
+        fixed = policy if isinstance(policy, int) else None if tunable(loader, policy) else loader.num_workers
+        loaders = topology.procs_per_node  # every rank of a node loads every batch
+        times = measure_loader(loader, cores, enough_s=0.02 * prediction.step_s, only=fixed)
+        if times is None:
+            return None
+        stage_cores = sum(1 if d.type == "cuda" else max(1, cores // loaders) for d in topology.stage_devices)
+        split = split_cores(
+            times, prediction.step_s, cores, loaders, topology.cpu_workers, stage_cores, plan.cpu_threads, fixed
+        )
+        return times, split
 
     # -------------------------------------------------------------- hooks
 
@@ -498,7 +512,7 @@ class WorkloadAnalyzer(L.Callback):
         self._calibrated = True
         strategy = trainer.strategy
         records = [r for r in strategy.step_records if 1 <= r.step < self.warmup_steps]
-        mine = [(r.data, r.wait, r.optimizer) for r in records]
+        mine = [(r.data, r.wait, r.optimizer, r.total) for r in records]
         # The last stage's replay of the step method: what the profile cannot time beyond the loss.
         replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
         role = profile_role(strategy.role)
@@ -508,9 +522,10 @@ class WorkloadAnalyzer(L.Callback):
         steps = [r.optimizer for r in records if r.optimizer > 0] if timed and strategy.node_rank == 0 else []
         fractions = {r.cpu_fraction for r in records}
         ranks = strategy.gather((mine, replays, (role, steps), fractions))
-        per_step = [fixed_cost(step) for step in zip(*(fixed for fixed, _, _, _ in ranks))]
+        per_step = [fixed_cost([r[:3] for r in step]) for step in zip(*(fixed for fixed, _, _, _ in ranks))]
         if not per_step:
             return
+        self._check_split(trainer, [list(step) for step in zip(*(fixed for fixed, _, _, _ in ranks))])
         self.profile.step_overhead_s = statistics.median(per_step)
         machine = _machine(strategy, self.profile)
         ran = set().union(*(fractions for _, _, _, fractions in ranks))
@@ -531,11 +546,50 @@ class WorkloadAnalyzer(L.Callback):
         if trainer.is_global_zero:
             self.profile.save(directory / "profile.json")
 
+    def _check_split(self, trainer: L.Trainer, steps: list[list[tuple[float, float, float, float]]]) -> None:
+        """The split of the cores, checked against the warm-up (every rank alike, from every rank's
+        records): before training the step's compute was the profile's prediction, which leaves out
+        what only a training run shows (Lightning's loop, your step method, the processes' own work on
+        the cores); the warm-up measured it (``loading.compute_between_loads``). Where the split of
+        that compute differs, the new one applies: threads at once, loader workers from the next
+        epoch, and ``plan.yaml`` is written again."""
+        strategy = hetero_strategy(trainer)
+        if self.loading is None or strategy is None or not strategy.tuned_loaders:
+            return
+        times, split = self.loading
+        timed = [[(total, data) for data, _, _, total in step] for step in steps]
+        compute = compute_between_loads(timed, times, strategy.tuned_loaders[0].num_workers)
+        topology, cores = strategy.topology, usable_cores()
+        loaders = topology.procs_per_node
+        stage_cores = sum(1 if d.type == "cuda" else max(1, cores // loaders) for d in topology.stage_devices)
+        checked = split_cores(times, compute, cores, loaders, topology.cpu_workers, stage_cores, split.given_threads)
+        self.loading = (times, checked)
+        if (checked.dataloader_workers, checked.cpu_threads) == (split.dataloader_workers, split.cpu_threads):
+            return
+        assert self.plan is not None
+        self.plan.dataloader_workers, self.plan.cpu_threads = checked.dataloader_workers, checked.cpu_threads
+        strategy.set_cpu_threads(checked.cpu_threads)
+        self._workers_next_epoch = checked.dataloader_workers
+        if trainer.is_global_zero:
+            self.plan.save(self._directory(trainer) / "plan.yaml")
+        rank_zero_info(
+            f"WorkloadAnalyzer: the warm-up's step ({compute * 1e3:.1f} ms of compute) splits the cores otherwise:"
+            f" {checked.dataloader_workers} DataLoader worker(s) per rank from the next epoch, CPU-worker threads"
+            f" {checked.cpu_threads or 'as the topology shares the cores'}."
+        )
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = hetero_strategy(trainer)
+        if strategy is not None and self._workers_next_epoch is not None:
+            strategy.set_dataloader_workers(self._workers_next_epoch)
+        self._workers_next_epoch = None
+
     def explanation(self) -> str:
         """Per layer: its time on each device and where it was placed; the predicted step time, and
         the measured one once training has run."""
         assert self.profile is not None and self.plan is not None and self.prediction is not None
-        return explain(self.profile, self.plan, self.prediction, self.measured_step_s, self.alternative)
+        return explain(self.profile, self.plan, self.prediction, self.measured_step_s, self.alternative, self.loading)
 
     def _directory(self, trainer: L.Trainer) -> Path:
         """Where the plan goes; a collective (``trainer.log_dir``): call it on every rank."""

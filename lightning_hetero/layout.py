@@ -1,0 +1,180 @@
+"""A hetero run's layout, and what changes it while training.
+
+The layout is one value, a ``HeteroPlan`` (``plan.py``): the strategy's arguments, a plan given or
+replayed, or the workload analyzer's once it applies one before the model is cut. While training,
+the rebalancer moves the CPU fraction (``set_cpu_fraction``), and with it the torch threads an
+emulated stage takes from CPU workers that have no share, and the split of the cores between
+loading and compute (``set_cpu_threads``, ``set_dataloader_workers``; ``loading.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
+from weakref import WeakSet
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_hetero.loading import LoaderPolicy, set_workers
+from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.shares import Shares, split_batch
+from lightning_hetero.topology import ProcessGroups, Role, Topology, threads_for, usable_cores
+from lightning_hetero.workers import check_emulated_speed
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_hetero.engine import StepEngine
+    from lightning_hetero.strategy import HeteroStrategy
+
+__all__ = ["Planner", "RunLayout"]
+
+log = logging.getLogger(__name__)
+
+Planner = Callable[["pl.Trainer", "HeteroStrategy", list[nn.Module]], HeteroPlan]
+"""What gives a run its plan when the strategy is about to cut the model (``plan_with``)."""
+
+
+class RunLayout:
+    """Mixin for the hetero strategy: its layout and the topology it gives. The strategy provides
+    ``_plan``, ``_stage_devices``, ``_num_nodes``, ``_emulated_speed``, ``_planner``, ``_groups``
+    (once connected), ``_engine`` (once set up), ``_tuned_loaders`` (the training DataLoaders whose
+    workers it may change) and ``local_rank``."""
+
+    _plan: HeteroPlan
+    _stage_devices: list[torch.device]
+    _num_nodes: int
+    _emulated_speed: dict[str, float]
+    _planner: Optional[Planner]
+    _groups: Optional[ProcessGroups]
+    _engine: Optional[StepEngine]
+    _tuned_loaders: WeakSet[DataLoader]
+    _loader_policy: LoaderPolicy
+    local_rank: int
+
+    @property
+    def plan(self) -> HeteroPlan:
+        """The run's layout: the plan given, the plan of the layout arguments, or the workload analyzer's
+        once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
+        return self._plan
+
+    def plan_with(self, planner: Planner) -> None:
+        """Have ``planner(trainer, strategy, blocks)`` give this run's plan, on every rank, when the
+        strategy is about to cut the model: in its ``setup``, once per process, after the module's
+        ``setup`` and ``configure_model``, in the run's precision (``WorkloadAnalyzer`` registers
+        itself from its own ``setup`` hook)."""
+        self._planner = planner
+
+    def apply_plan(self, plan: HeteroPlan) -> None:
+        """Take a plan's layout before the model is cut. Its stages, CPU workers and mode must be the
+        run's: the processes exist already."""
+        if not plan.runs_on(self._plan):
+            raise ValueError(f"A plan for {plan.stages} x {plan.cpu_workers} CPU worker(s) cannot lay out this run.")
+        if self._engine is not None:
+            raise RuntimeError("`apply_plan` must come before the strategy cuts the model (its `setup`).")
+        self._plan = replace(plan, cpu_threads=self._plan.cpu_threads if plan.cpu_threads is None else plan.cpu_threads)
+        log.info("hetero: applied a plan:\n%s", self._plan.table())
+        self._set_threads()
+
+    def layout(self) -> dict[str, Any]:
+        """This run's layout, for logs."""
+        return {**self._plan.as_dict(), "num_nodes": self._num_nodes}
+
+    @property
+    def mode(self) -> str:
+        return self._plan.mode
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of the pipeline's share: 1 where the devices do not pipeline (replicas, one stage)."""
+        return self._plan.micro_batches if not self.topology.replicas and len(self._stage_devices) > 1 else 1
+
+    @property
+    def cpu_fraction(self) -> float:
+        """The share of each batch the CPU workers compute."""
+        return self._plan.cpu_fraction
+
+    def set_cpu_fraction(self, fraction: float) -> None:
+        """Give the CPU workers ``fraction`` of the batches from the next one on (the plan checks it).
+        Every rank must set the same value at the same step (decide on one rank and broadcast)."""
+        self._plan = replace(self._plan, cpu_fraction=float(fraction))
+        self._set_threads()
+
+    def _set_threads(self) -> None:
+        # An emulated stage takes the cores of CPU workers that have no share (`threads_for`).
+        if self._groups is None:  # not in a worker process (yet)
+            return
+        threads = threads_for(self.role, self.topology, usable_cores(), self._plan.cpu_threads, self.cpu_fraction > 0)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+            if self._engine is not None:
+                self._engine.sync.set_threads(threads)
+
+    def shares(self, batch_size: int) -> Shares:
+        """How a batch of ``batch_size`` samples is divided this step."""
+        return split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self.micro_batches)
+
+    @property
+    def emulated_speed(self) -> dict[str, float]:
+        """TESTING ONLY: the samples per second workers are slowed down to (see the class doc)."""
+        return dict(self._emulated_speed)
+
+    def set_emulated_speed(self, speed: Optional[Mapping[str, float]]) -> None:
+        """TESTING ONLY: emulate other worker speeds from the next batch on (``None``: real speed)."""
+        self._emulated_speed = check_emulated_speed(speed)
+        if self._engine is not None:
+            self._engine.pace(self._emulated_speed)
+
+    def check_model(self, model: LightningModule) -> list[nn.Module]:
+        """The model's blocks, after checking the contract and that they fill the stages; decides
+        ``parallelism="auto"`` for the model."""
+        self._plan = self._plan.for_model(model)
+        return self._plan.place_blocks(model)[0]
+
+    @property
+    def topology(self) -> Topology:
+        replicas = self._plan.parallelism == "replicas"
+        return Topology(cpu_workers=self._plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes, replicas=replicas)
+
+    @property
+    def role(self) -> Role:
+        return self.topology.role(self.local_rank)
+
+    # ----------------------------------------------------------- the cores
+
+    @property
+    def cpu_worker_threads(self) -> Optional[int]:
+        """Torch threads of each CPU worker as the run stands (``None`` without CPU workers)."""
+        topology = self.topology
+        if not topology.cpu_workers:
+            return None
+        return threads_for(topology.role(0), topology, usable_cores(), self._plan.cpu_threads, True)
+
+    def set_cpu_threads(self, threads: Optional[int]) -> None:
+        """Give every CPU worker ``threads`` torch threads from now on (``None``: the cores the other
+        processes leave). Every rank must set the same value at the same step."""
+        self._plan = replace(self._plan, cpu_threads=threads)
+        self._set_threads()
+
+    @property
+    def dataloader_workers(self) -> LoaderPolicy:
+        """``dataloader_workers`` as given: which DataLoaders' worker processes the run may choose."""
+        return self._loader_policy
+
+    @property
+    def tuned_loaders(self) -> list[DataLoader]:
+        """The training DataLoaders whose worker processes this run may change (``dataloader_workers``)."""
+        return list(self._tuned_loaders)
+
+    def set_dataloader_workers(self, workers: int) -> None:
+        """Give the training DataLoaders this run tunes ``workers`` worker processes per rank from their
+        next iterator on: call it between epochs (``on_train_epoch_start``), since an iterator's worker
+        processes are fixed when it starts."""
+        self._plan = replace(self._plan, dataloader_workers=workers)
+        for loader in self._tuned_loaders:
+            set_workers(loader, workers)
