@@ -109,7 +109,8 @@ class RunLayout:
         # An emulated stage takes the cores of CPU workers that have no share (`threads_for`).
         if self._groups is None:  # not in a worker process (yet)
             return
-        threads = threads_for(self.role, self.topology, usable_cores(), self._plan.cpu_threads, self.cpu_fraction > 0)
+        plan = self._plan
+        threads = threads_for(self.role, self.topology, usable_cores(), plan.cpu_threads, plan.cpu_fraction > 0, plan.stage_threads)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
             if self._engine is not None:
@@ -159,6 +160,12 @@ class RunLayout:
         """Give every CPU worker ``threads`` torch threads from now on (``None``: the cores the other
         processes leave). Every rank must set the same value at the same step."""
         self._plan = replace(self._plan, cpu_threads=threads)
+        self._set_threads()
+
+    def set_stage_threads(self, threads: Optional[int]) -> None:
+        """Give every stage process ``threads`` torch threads from now on (``None``: as the topology
+        shares the cores). Every rank must set the same value at the same step."""
+        self._plan = replace(self._plan, stage_threads=threads)
         self._set_threads()
 
     @property

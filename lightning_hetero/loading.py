@@ -191,6 +191,10 @@ class CoreSplit:
     """The step it was given: computing, without loading."""
     given_threads: Optional[int] = None
     """The CPU workers' threads it was given."""
+    stage_threads: Optional[int] = None
+    """Torch threads per emulated stage process (``None``: as the topology shares the cores out)."""
+    source: str = "predicted by the profile"
+    """Where ``compute_s`` came from."""
     candidates: tuple[tuple[int, float], ...] = ()
     """(workers, predicted step) for every measured worker count."""
 
@@ -207,6 +211,8 @@ def split_cores(
     stage_cores: float,
     cpu_threads: Optional[int] = None,
     fixed_workers: Optional[int] = None,
+    emulated_stages: int = 0,
+    gpu_stages: int = 0,
 ) -> CoreSplit:
     """Split ``cores`` between loading and compute for a step that computes for ``step_s`` seconds
     (without loading), where ``loading_ranks`` processes each load every batch, ``cpu_workers``
@@ -223,9 +229,11 @@ def split_cores(
       ``x = loading_ranks * L0 / T`` cores busy; where that is more than the compute leaves free
       (``cores - compute``, ``compute = stage_cores + cpu_workers * threads``), the compute runs
       on ``cores - x`` cores: ``T(w) = max(step_s * compute / (cores - x), L(w))``;
-    - the count with the shortest ``T`` wins (fewer workers where within 2%); with workers, the CPU
-      workers' threads are the cores left, ``floor((cores - ceil(x) - stage_cores) / cpu_workers)``
-      (at least 1), where the loaders need cores the compute had.
+    - the count with the shortest ``T`` wins (fewer workers where within 2%). Where its loaders need
+      cores the compute had, the compute gets the ``cores - ceil(x)`` left: the CPU workers first
+      give up threads, ``floor((cores - ceil(x) - stage_cores) / cpu_workers)`` each (at least 1);
+      where that is not enough, the ``emulated_stages`` share what is left beside the ``gpu_stages``
+      (which keep a core each), ``floor((left - gpu_stages) / emulated_stages)`` each (at least 1).
 
     ``fixed_workers``: the DataLoader's count is the user's; only its consequences are predicted.
     """
@@ -246,10 +254,24 @@ def split_cores(
         candidates.append((workers, max(slowed, per_batch), busy))
     fastest = min(step for _, step, _ in candidates)
     workers, step, busy = next(c for c in candidates if c[1] <= fastest * 1.02)
-    chosen_threads: Optional[int] = cpu_threads
-    if workers and cpu_workers and busy > cores - compute:
-        chosen_threads = max(1, math.floor((cores - math.ceil(busy) - stage_cores) / cpu_workers))
-    return CoreSplit(workers, chosen_threads, step, busy, step_s, cpu_threads, tuple((w, s) for w, s, _ in candidates))
+    chosen_threads, stage_threads = cpu_threads, None
+    if workers and busy > cores - compute:
+        left = cores - math.ceil(busy)
+        if cpu_workers:
+            chosen_threads = max(1, math.floor((left - stage_cores) / cpu_workers))
+            left -= cpu_workers * chosen_threads
+        if emulated_stages and left < stage_cores:
+            stage_threads = max(1, math.floor((left - gpu_stages) / emulated_stages))
+    return CoreSplit(
+        workers,
+        chosen_threads,
+        step,
+        busy,
+        compute_s=step_s,
+        given_threads=cpu_threads,
+        stage_threads=stage_threads,
+        candidates=tuple((w, s) for w, s, _ in candidates),
+    )
 
 
 def compute_between_loads(steps: list[list[tuple[float, float]]], times: LoaderTimes, workers: int) -> float:
@@ -280,8 +302,9 @@ class LoadBalancer:
     share the slower CPU workers earn). Where the wait has stayed under half of that for ``calm``
     decisions and the split is not where it started, one move back. A move is judged at the first
     decision after it took effect (a loader's new worker count, at its next epoch): where the step
-    got slower by more than ``margin``, it is undone and no move is made for ``calm`` decisions, so
-    the balancer never leaves the step slower than where it started.
+    got slower by more than ``margin``, it is undone and no move is made for ``calm`` decisions
+    (twice as many after each undone move in a row, up to 8x), so the balancer never leaves the step
+    slower than where it started.
 
     Args:
         workers: loader workers per rank at the start; ``threads``: each CPU worker's threads
@@ -310,6 +333,8 @@ class LoadBalancer:
     calm_windows: int = 0
     stalled_windows: int = 0
     blocked: int = 0
+    undone: int = 0
+    """Moves undone in a row: each doubles the decisions before the next try (up to 8x ``calm``)."""
     last_move: Optional[tuple[int, Optional[int], float]] = None
     """The split before the last move, and the step time measured there."""
 
@@ -345,8 +370,10 @@ class LoadBalancer:
             workers, threads, before = self.last_move
             self.last_move = None
             if step_time > before * (1 + self.margin):
-                self.workers, self.threads, self.blocked = workers, threads, self.calm
+                self.workers, self.threads = workers, threads
+                self.blocked, self.undone = self.calm * 2 ** min(self.undone, 3), self.undone + 1
                 return self.workers, self.threads, "undo"
+            self.undone = 0
         if share > self.stall:
             self.calm_windows = 0
             self.stalled_windows += 1
@@ -376,7 +403,9 @@ class LoadBalancer:
         return workers, threads, reason
 
     def state_dict(self) -> dict[str, Any]:
-        keys = ("workers", "threads", "start", "wait", "floor", "calm_windows", "stalled_windows", "blocked", "last_move")
+        keys = (
+            "workers", "threads", "start", "wait", "floor", "calm_windows", "stalled_windows", "blocked", "undone", "last_move"
+        )  # fmt: skip
         return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -71,6 +71,9 @@ class HeteroPlan:
     """CPU-worker processes, each with a full replica."""
     cpu_threads: Optional[int] = None
     """torch threads per CPU worker (None: the cores the other processes leave)."""
+    stage_threads: Optional[int] = None
+    """torch threads per stage process: an emulated stage's layers, a GPU stage's offloaded optimizer
+    steps (None: an emulated stage shares the cores with the CPU workers, a GPU stage keeps one)."""
     cpu_fraction: float = 0.0
     """The share of every batch the CPU workers compute, in [0, 1]."""
     offload: Any = field(default_factory=list)
@@ -115,6 +118,8 @@ class HeteroPlan:
             raise ValueError(f"Plan: `cpu_workers={self.cpu_workers}` must be >= 0.")
         if self.cpu_threads is not None:
             _check_positive("cpu_threads", self.cpu_threads)
+        if self.stage_threads is not None:
+            _check_positive("stage_threads", self.stage_threads)
         if not 0.0 <= self.cpu_fraction <= 1.0:
             raise ValueError(f"Plan: `cpu_fraction={self.cpu_fraction}` must be between 0 and 1.")
         if self.cpu_fraction > 0 and self.cpu_workers == 0:

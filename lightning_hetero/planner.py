@@ -804,13 +804,14 @@ def explain(
         rows.append(f"loading a batch (the training DataLoader, {times.batch_size} samples, measured in one process):")
         rows += times.rows()
         rows.append(
-            f"the step, waiting for data included, for {split.compute_s * 1e3:.2f} ms of compute"
-            f" ({split.loading_cores:.2f} cores busy loading at the choice):"
+            f"the step, waiting for data included, for {split.compute_s * 1e3:.2f} ms of compute ({split.source};"
+            f" {split.loading_cores:.2f} cores busy loading at the choice):"
         )
         rows += split.rows()
-        threads = "as the topology shares the cores" if split.cpu_threads is None else str(split.cpu_threads)
+        shared = "as the topology shares the cores"
+        threads = f"per CPU worker {split.cpu_threads or shared}, per emulated stage {split.stage_threads or shared}"
         rows.append(
-            f"chosen: {split.dataloader_workers} DataLoader worker(s) per rank; CPU-worker threads: {threads};"
+            f"chosen: {split.dataloader_workers} DataLoader worker(s) per rank; threads {threads};"
             f" waiting for data adds {(split.step_s - split.compute_s) * 1e3:.2f} ms to the step"
         )
     if measured_step_s is not None:

@@ -382,7 +382,9 @@ class _Pending:
 
 class AdaptiveRebalancer(L.Callback):
     """Move the CPU fraction, while training, to where the CPU workers and the pipeline finish
-    each step together, and to 0 when the CPU's share would not make the step faster.
+    each step together, and to 0 when the CPU's share would not make the step faster; and the
+    cores between loading and compute as the wait for data changes (``balance_loading``; in a run
+    without CPU workers, only that).
 
     Every ``every_n_steps`` optimizer steps, global rank 0 gathers every rank's step records,
     decides (see ``Balancer``) and broadcasts the fraction; every rank applies it from the next
@@ -438,6 +440,7 @@ class AdaptiveRebalancer(L.Callback):
         self.max_dataloader_workers = max_dataloader_workers
         self.loading: Optional[LoadBalancer] = None
         self._workers_in_effect = True
+        self._moves_fraction = True
         self._settings = dict(
             max_step=max_step, deadband=deadband, margin=margin, probe_after=probe_after, max_probe_after=8 * probe_after
         )
@@ -453,11 +456,14 @@ class AdaptiveRebalancer(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
-        self._enabled = strategy is not None and strategy.topology.cpu_workers > 0
+        self._moves_fraction = strategy is not None and strategy.topology.cpu_workers > 0
+        loading_only = strategy is not None and self.balance_loading and bool(strategy.tuned_loaders)
+        self._enabled = self._moves_fraction or loading_only
         if strategy is None or not self._enabled:
             rank_zero_warn(
                 "AdaptiveRebalancer does nothing here: it balances the CPU workers of `strategy='hetero'` against the"
-                " pipeline, and this run has none."
+                " pipeline, and the cores between them and loading, and this run has no CPU worker and no DataLoader"
+                " whose workers it may change (`dataloader_workers`)."
             )
             return
         self.balancer = Balancer(strategy.micro_batches, strategy.topology.cpu_workers, **self._settings)
@@ -473,8 +479,10 @@ class AdaptiveRebalancer(L.Callback):
             if self.loading is not None:
                 split = {"dataloader_workers": self.loading.workers, "cpu_threads": self.loading.threads}
                 decision = replace(decision, **split, loading="resume")
-        else:
+        elif self._moves_fraction:
             decision = self.balancer.start(strategy.cpu_fraction)
+        else:  # no CPU workers: only the cores between loading and the stages move
+            decision = Decision(strategy.cpu_fraction, "hold")
         if trainer.is_global_zero:
             self._log_decision(trainer, decision, None)
         # Rank 0's word, whatever each rank restored.
@@ -486,7 +494,7 @@ class AdaptiveRebalancer(L.Callback):
         # starts its loader workers (Lightning sets the training data up after this hook).
         strategy = hetero_strategy(trainer)
         restored = (self._restored or {}).get("loading")
-        if strategy is None or not self.balance_loading or not restored or not strategy.topology.cpu_workers:
+        if strategy is None or not self.balance_loading or not restored:
             return
         strategy.set_dataloader_workers(restored["workers"])
         strategy.set_cpu_threads(restored["threads"])
@@ -521,7 +529,8 @@ class AdaptiveRebalancer(L.Callback):
         if trainer.is_global_zero:
             try:
                 window = summarize(records, self.balancer.fraction)
-                decision = self.balancer.decide(window) if window is not None else Decision(self.balancer.fraction, "hold")
+                moves = window is not None and self._moves_fraction
+                decision = self.balancer.decide(window) if moves else Decision(self.balancer.fraction, "hold")
                 if self.loading is not None and window is not None:
                     self._adopt_split(strategy)
                     workers, threads, why = self.loading.decide(window.step_time, window.data, self._workers_in_effect)

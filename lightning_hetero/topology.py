@@ -161,16 +161,24 @@ def usable_cores() -> int:
 
 
 def threads_for(
-    role: Role, topology: Topology, cores: int, cpu_threads: int | None = None, cpu_share: bool = True
+    role: Role,
+    topology: Topology,
+    cores: int,
+    cpu_threads: int | None = None,
+    cpu_share: bool = True,
+    stage_threads: int | None = None,
 ) -> int:
     """Torch threads for one process of a node with ``cores`` cores.
 
     Emulated (CPU) stages share the cores evenly with the CPU workers; while the CPU workers have
     no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
     them alone. With GPU stages, each GPU stage process keeps one core to drive its device and the
-    CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count.
+    CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
+    the stages' (a plan's split of the cores between loading and compute).
     """
     gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
+    if role.is_stage and stage_threads is not None:
+        return stage_threads
     if role.is_stage:
         if topology.stage_devices[role.index].type == "cuda":
             return 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,18 @@ def test_the_split_follows_the_hand_calculation() -> None:
     assert split.dataloader_workers == 2 and split.loading_cores == pytest.approx(3.0)
     # The CPU worker gives the loaders their cores: floor((16 - 3 - 1) / 1) threads.
     assert split.cpu_threads == 12 and split.step_s == pytest.approx(0.040 * 16 / 13)
+
+
+def test_an_emulated_stage_gives_the_loaders_its_threads_where_no_cpu_worker_can() -> None:
+    # Two cores, one emulated stage with both (no CPU worker); 32 ms to load a batch in-process, 36
+    # with one worker, 16 with two; the step computes for 10 ms.
+    times = LoaderTimes((0, 1, 2), (0.032, 0.036, 0.016))
+    split = split_cores(times, 0.010, cores=2, loading_ranks=1, cpu_workers=0, stage_cores=2, emulated_stages=1)
+    # T(0) = 10 + 32 = 42 ms. T(1): 32 / 36 = 0.89 cores busy, none free: max(10 * 2 / 1.11, 36) = 36.
+    # T(2): 32 / 16 = 2 cores busy: max(10 * 2 / 1 (at least a core), 16) = 20 ms: two workers.
+    assert [round(s * 1e3, 1) for _, s in split.candidates] == [42.0, 36.0, 20.0]
+    assert split.dataloader_workers == 2 and split.cpu_threads is None
+    assert split.stage_threads == 1  # the loaders took both cores: the stage keeps one thread
 
 
 def test_loading_that_is_cheap_stays_in_the_training_process() -> None:
@@ -153,6 +165,19 @@ def test_a_move_that_made_the_step_slower_is_undone() -> None:
     assert out[4] == (1, 2, "hold")  # and not tried again at once
 
 
+def test_moves_that_keep_failing_are_tried_ever_more_rarely() -> None:
+    balancer = LoadBalancer(workers=0, threads=2, max_workers=2)
+    stalled, worse = (0.080, 0.030), (0.100, 0.030)
+    balancer.decide(0.050, 0.001)
+    tries = []
+    for decision in range(60):
+        step, data = worse if balancer.last_move is not None else stalled
+        if balancer.decide(step, data)[2] == "stall":
+            tries.append(decision)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # 3, 6, 12, 24 decisions between tries
+
+
 def test_a_move_is_judged_once_it_takes_effect() -> None:
     balancer = LoadBalancer(workers=0, threads=2, max_workers=2)
     balancer.decide(0.050, 0.001)
@@ -211,8 +236,9 @@ class StallDuring(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero:
-            rebalancer = next(cb for cb in trainer.callbacks if isinstance(cb, AdaptiveRebalancer))
-            self.out.write_text(json.dumps({"epochs": self.epochs, "decisions": rebalancer.decisions}))
+            rebalancer = next((cb for cb in trainer.callbacks if isinstance(cb, AdaptiveRebalancer)), None)
+            decisions = rebalancer.decisions if rebalancer is not None else []
+            self.out.write_text(json.dumps({"epochs": self.epochs, "decisions": decisions}))
 
 
 def test_a_stall_mid_run_moves_the_cores_and_the_model_is_unchanged(tmp_path: Path) -> None:
@@ -242,6 +268,24 @@ def test_a_stall_mid_run_moves_the_cores_and_the_model_is_unchanged(tmp_path: Pa
     back = [d for d in decisions if d.get("loading") == "recovered"]
     assert back and back[0]["step"] > 6 * EPOCH
     assert epochs_seen[-1]["workers"] == 0 and epochs_seen[-1]["threads"] == 2
+
+
+def test_without_cpu_workers_only_the_loaders_move(tmp_path: Path) -> None:
+    """A pipeline alone (FastFlow's case: accelerators fed by the CPU): the rebalancer has no CPU
+    share to balance, and still moves the loader workers when loading stalls the step."""
+    steps = 6 * EPOCH
+    plain = Net(optimizer="adamw")
+    trainer(None, max_steps=steps).fit(plain, DataLoader(BusyData(EPOCH * BATCH), batch_size=BATCH))
+    model = Net(optimizer="adamw")
+    strategy = hetero(stages=["cpu"], cpu_workers=0, emulated_speed={"pipeline": 400.0})
+    record = StallDuring(first=2, last=9, out=tmp_path / "run.json")
+    rebalancer = AdaptiveRebalancer(every_n_steps=EVERY, warmup_steps=1, max_dataloader_workers=1)
+    trainer(strategy, max_steps=steps, callbacks=[rebalancer, record]).fit(model, DataLoader(BusyData(EPOCH * BATCH), batch_size=BATCH))
+    assert max_param_diff(plain, model) < 1e-10
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert {d["fraction"] for d in run["decisions"]} == {0.0} and {d["reason"] for d in run["decisions"]} == {"hold"}
+    assert [e["workers"] for e in run["epochs"]][:3] == [0, 0, 0] and run["epochs"][-1]["workers"] == 1
+    assert all(e["threads"] is None for e in run["epochs"])
 
 
 # ---------------------------------------------------------------- the analyzer
@@ -280,27 +324,28 @@ def recorded(path: Path, when: str = "start") -> tuple[dict[str, Any], LoaderTim
 
 def test_the_analyzer_plans_the_loader_from_its_own_measurements(tmp_path: Path) -> None:
     # One emulated stage on the two cores: a batch is 32 ms of a core to load, the step computes
-    # for a few ms; two loader workers deliver a batch in about 20 ms, one in about 35.
+    # for a few ms; two loader workers deliver a batch in about 16 ms, one in about 35.
     analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path))
-    data = DataLoader(BusyData(12 * BATCH, cost=HEAVY), batch_size=BATCH)
+    data = DataLoader(BusyData(12 * BATCH, cost=HEAVY), batch_size=BATCH, drop_last=True)
     strategy = hetero(stages=["cpu"], cpu_workers=0)
-    trainer(strategy, max_steps=4, callbacks=[analyzer, RecordWorkers(tmp_path / "run.json")]).fit(Net(), data)
+    record = RecordWorkers(tmp_path / "run.json")
+    trainer(strategy, max_steps=18, callbacks=[analyzer, record, StallDuring(0, 9, tmp_path / "epochs.json")]).fit(Net(), data)
+    # Before training: the loader measured by worker count, and the step predicted as it starts.
     run, times, split = recorded(tmp_path / "run.json")
-    plan = HeteroPlan.load(tmp_path / "plan.yaml")
     assert times.in_process == pytest.approx(BATCH * HEAVY, rel=0.3)  # known by construction
-    assert times.workers[:3] == (0, 1, 2)
-    # The plan is the hand calculation's on these measurements (``split_cores``'s model).
-    again = split_cores(times, split.compute_s, cores=2, loading_ranks=1, cpu_workers=0, stage_cores=2)
-    assert again == split and split.dataloader_workers == 2
-    assert (run["workers"], run["tuned"]) == (2, 1)  # the run loads with them, and may re-split them
-    # After the warm-up the split is checked with the step's measured compute, the same way; the
-    # plan written beside the logs is that one.
+    assert times.workers[:3] == (0, 1, 2) and (run["workers"], run["tuned"]) == (0, 1)
+    assert [w for w, _ in split.candidates] == [0] and split.source == "predicted by the profile"
+    # After the warm-up: the split for the step's measured compute, as the hand calculation
+    # (``split_cores``'s model) gives it on the same numbers; loading a batch dwarfs the step here.
     _, _, checked = recorded(tmp_path / "run.json", "end")
-    assert checked.compute_s != split.compute_s
-    assert checked == split_cores(times, checked.compute_s, cores=2, loading_ranks=1, cpu_workers=0, stage_cores=2)
-    assert plan.dataloader_workers == checked.dataloader_workers
-    explanation = (tmp_path / "explain.txt").read_text()  # after the warm-up's check of the split
-    assert "loading a batch" in explanation and "DataLoader worker(s) per rank" in explanation
+    assert checked.source == "measured in the warm-up" and [w for w, _ in checked.candidates] == [0, 1, 2]
+    again = split_cores(times, checked.compute_s, cores=2, loading_ranks=1, cpu_workers=0, stage_cores=2, emulated_stages=1)
+    assert replace(checked, source=again.source) == again and checked.dataloader_workers >= 1
+    assert HeteroPlan.load(tmp_path / "plan.yaml").dataloader_workers == checked.dataloader_workers
+    epochs = json.loads((tmp_path / "epochs.json").read_text())["epochs"]
+    assert [e["workers"] for e in epochs] == [0, checked.dataloader_workers]  # from the next epoch
+    explanation = (tmp_path / "explain.txt").read_text()
+    assert "loading a batch" in explanation and f"chosen: {checked.dataloader_workers} DataLoader worker(s)" in explanation
 
 
 def test_a_loader_with_the_users_own_workers_is_kept(tmp_path: Path) -> None:
@@ -311,6 +356,7 @@ def test_a_loader_with_the_users_own_workers_is_kept(tmp_path: Path) -> None:
     run, times, split = recorded(tmp_path / "run.json")
     assert (run["workers"], run["tuned"]) == (1, 0)
     assert times.workers == (0, 1) and split.dataloader_workers == 1  # measured and predicted, not changed
+    assert recorded(tmp_path / "run.json", "end")[2] == split  # and not split after the warm-up either
 
 
 def test_a_resumed_run_keeps_the_split(tmp_path: Path) -> None:

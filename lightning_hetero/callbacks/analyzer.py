@@ -383,33 +383,35 @@ class WorkloadAnalyzer(L.Callback):
             raise ValueError(f"No layout of {running} fits: {what} exceeds some device's memory.")
         plan, prediction = layouts.pop(running)
         self.alternative = next(iter(layouts.values()), None)
-        self.loading = self._split_cores(trainer, strategy, plan, prediction, cores)
+        self.loading = self._measure_loading(trainer, strategy, plan, prediction, cores)
         if self.loading is not None:
             split = self.loading[1]
-            plan.dataloader_workers, plan.cpu_threads = split.dataloader_workers, split.cpu_threads
             plan.predicted_step_s = split.step_s
             prediction = replace(prediction, step_s=split.step_s, data_s=split.step_s - prediction.step_s)
         return plan, prediction, profile
 
     @staticmethod
-    def _split_cores(
+    def _measure_loading(
         trainer: L.Trainer, strategy: "HeteroStrategy", plan: HeteroPlan, prediction: Prediction, cores: int
     ) -> Optional[tuple[LoaderTimes, CoreSplit]]:
-        """Measure the training DataLoader by worker processes (where ``dataloader_workers`` lets the
-        run choose them; otherwise as it was built) and split the cores between loading and compute."""
+        """Measure the training DataLoader by worker processes (every count where
+        ``dataloader_workers`` lets the run choose them; otherwise its own) and predict the step with
+        the workers it has. The split itself waits for the warm-up (``_check_split``): the profile
+        cannot tell the step's whole compute, and a split from it could take cores the run needs."""
         loader, topology = training_loader(trainer), strategy.topology
         if not isinstance(loader, DataLoader):
             return None
         policy = strategy.dataloader_workers
-        fixed = policy if isinstance(policy, int) else None if tunable(loader, policy) else loader.num_workers
-        loaders = topology.procs_per_node  # every rank of a node loads every batch
-        times = measure_loader(loader, cores, enough_s=0.02 * prediction.step_s, only=fixed)
+        current = policy if isinstance(policy, int) else loader.num_workers
+        only = None if tunable(loader, policy) else current
+        times = measure_loader(loader, cores, enough_s=0.02 * prediction.step_s, only=only)
         if times is None:
             return None
-        stage_cores = sum(1 if d.type == "cuda" else max(1, cores // loaders) for d in topology.stage_devices)
+        loaders = topology.procs_per_node  # every rank of a node loads every batch
         split = split_cores(
-            times, prediction.step_s, cores, loaders, topology.cpu_workers, stage_cores, plan.cpu_threads, fixed
-        )
+            times, prediction.step_s, cores, loaders, topology.cpu_workers, cpu_threads=plan.cpu_threads,
+            fixed_workers=current, **_stages(topology, cores),
+        )  # fmt: skip
         return times, split
 
     # -------------------------------------------------------------- hooks
@@ -547,35 +549,40 @@ class WorkloadAnalyzer(L.Callback):
             self.profile.save(directory / "profile.json")
 
     def _check_split(self, trainer: L.Trainer, steps: list[list[tuple[float, float, float, float]]]) -> None:
-        """The split of the cores, checked against the warm-up (every rank alike, from every rank's
-        records): before training the step's compute was the profile's prediction, which leaves out
-        what only a training run shows (Lightning's loop, your step method, the processes' own work on
-        the cores); the warm-up measured it (``loading.compute_between_loads``). Where the split of
-        that compute differs, the new one applies: threads at once, loader workers from the next
-        epoch, and ``plan.yaml`` is written again."""
+        """Split the cores between loading and compute, from the warm-up (every rank alike, from every
+        rank's records): the step's compute without its wait for data
+        (``loading.compute_between_loads``: Lightning's loop, your step method and the processes' own
+        work included, which the profile cannot tell) and the DataLoader's measured times per worker
+        count give the split (``loading.split_cores``). Where it differs from the run's, it applies:
+        threads at once, loader workers from the next epoch; the plan and ``plan.yaml`` say so."""
         strategy = hetero_strategy(trainer)
         if self.loading is None or strategy is None or not strategy.tuned_loaders:
             return
         times, split = self.loading
+        workers = strategy.tuned_loaders[0].num_workers
         timed = [[(total, data) for data, _, _, total in step] for step in steps]
-        compute = compute_between_loads(timed, times, strategy.tuned_loaders[0].num_workers)
+        compute = compute_between_loads(timed, times, workers)
         topology, cores = strategy.topology, usable_cores()
-        loaders = topology.procs_per_node
-        stage_cores = sum(1 if d.type == "cuda" else max(1, cores // loaders) for d in topology.stage_devices)
-        checked = split_cores(times, compute, cores, loaders, topology.cpu_workers, stage_cores, split.given_threads)
-        self.loading = (times, checked)
-        if (checked.dataloader_workers, checked.cpu_threads) == (split.dataloader_workers, split.cpu_threads):
-            return
+        checked = split_cores(
+            times, compute, cores, topology.procs_per_node, topology.cpu_workers, cpu_threads=split.given_threads,
+            **_stages(topology, cores),
+        )  # fmt: skip
+        self.loading = (times, replace(checked, source="measured in the warm-up"))
         assert self.plan is not None
-        self.plan.dataloader_workers, self.plan.cpu_threads = checked.dataloader_workers, checked.cpu_threads
+        plan = self.plan
+        plan.dataloader_workers, plan.cpu_threads, plan.stage_threads = checked.dataloader_workers, checked.cpu_threads, checked.stage_threads
+        if (checked.dataloader_workers, checked.cpu_threads, checked.stage_threads) == (workers, split.given_threads, None):
+            return
         strategy.set_cpu_threads(checked.cpu_threads)
+        strategy.set_stage_threads(checked.stage_threads)
         self._workers_next_epoch = checked.dataloader_workers
         if trainer.is_global_zero:
             self.plan.save(self._directory(trainer) / "plan.yaml")
         rank_zero_info(
-            f"WorkloadAnalyzer: the warm-up's step ({compute * 1e3:.1f} ms of compute) splits the cores otherwise:"
-            f" {checked.dataloader_workers} DataLoader worker(s) per rank from the next epoch, CPU-worker threads"
-            f" {checked.cpu_threads or 'as the topology shares the cores'}."
+            f"WorkloadAnalyzer: the cores, split for the warm-up's step ({compute * 1e3:.1f} ms of compute):"
+            f" {checked.dataloader_workers} DataLoader worker(s) per rank from the next epoch; threads per CPU worker"
+            f" {checked.cpu_threads or 'as the topology shares the cores'}, per emulated stage"
+            f" {checked.stage_threads or 'as the topology shares the cores'} (explain.txt)."
         )
 
     @override
@@ -632,6 +639,18 @@ def _shared_cores(parts: list[dict[str, Any]], cores: int) -> dict[str, float]:
                 else:
                     unmeasured.add(layout)
     return {layout: min(value, cores) for layout, value in worth.items() if layout not in unmeasured}
+
+
+def _stages(topology: Any, cores: int) -> dict[str, int]:
+    """A node's stages for ``split_cores``: the cores they keep (one for a GPU stage: its driver and
+    its offloaded optimizer steps; its threads for an emulated one), and how many of each kind."""
+    gpu = sum(d.type == "cuda" for d in topology.stage_devices)
+    emulated = len(topology.stage_devices) - gpu
+    return {
+        "stage_cores": gpu + emulated * max(1, cores // topology.procs_per_node),
+        "emulated_stages": emulated,
+        "gpu_stages": gpu,
+    }
 
 
 def _describe(device: torch.device) -> str:
