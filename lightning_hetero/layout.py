@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
-from weakref import WeakSet
 
 import torch
 from lightning.pytorch import LightningModule
@@ -53,7 +52,7 @@ class RunLayout:
     _planner: Optional[Planner]
     _groups: Optional[ProcessGroups]
     _engine: Optional[StepEngine]
-    _tuned_loaders: WeakSet[DataLoader]
+    _tuned_loaders: list[DataLoader]
     _loader_policy: LoaderPolicy
     local_rank: int
 

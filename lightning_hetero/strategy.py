@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
-from weakref import WeakSet
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -142,7 +141,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._loader_policy = check_loader_policy(dataloader_workers)
         if isinstance(self._loader_policy, int):
             self._plan = replace(self._plan, dataloader_workers=self._loader_policy)
-        self._tuned_loaders: WeakSet[DataLoader] = WeakSet()
+        self._tuned_loaders: list[DataLoader] = []  # this process's, from `process_dataloader` (not pickled by then)
         self._stage_devices = resolve_stage_devices(self._plan.stages)
         self._start_method = resolve_start_method(start_method)
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -232,7 +231,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             return dataloader
         dataloader = with_workers(dataloader, workers) if workers is not None else dataloader
         if stage == RunningStage.TRAINING and not isinstance(policy, int):
-            self._tuned_loaders.add(dataloader)  # type: ignore[arg-type]
+            self._tuned_loaders.append(dataloader)  # type: ignore[arg-type]
         return dataloader
 
     @property
@@ -461,6 +460,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             finished = self.lightning_module.trainer.state.status == TrainerStatus.RUNNING  # not `_interrupt`ed
             self._engine.worker.on_teardown(self._groups.node, finished)
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        self._tuned_loaders.clear()
         if self.lightning_module is not None:
             move_materialized(self.lightning_module, torch.device("cpu"))
             _update_properties(self.lightning_module, device=torch.device("cpu"))

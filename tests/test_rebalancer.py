@@ -488,12 +488,18 @@ def test_a_given_fraction_or_rebalancer_is_kept(tmp_path: Path, cpu_fraction: An
         assert fractions == [0.25] * 12 and not decisions(tmp_path)
 
 
-def test_does_nothing_without_cpu_workers(tmp_path: Path) -> None:
+def test_does_nothing_without_cpu_workers_unless_it_may_move_the_loaders(tmp_path: Path) -> None:
     strategy = hetero(cpu_workers=0, micro_batches=MICRO)
-    trainer(strategy, tmp_path, max_steps=4, callbacks=[AdaptiveRebalancer(every_n_steps=1, warmup_steps=0)]).fit(
-        Net(), data(4)
-    )
-    assert read_metrics(tmp_path) and not decisions(tmp_path)
+    rebalancer = AdaptiveRebalancer(every_n_steps=1, warmup_steps=0, balance_loading=False)
+    trainer(strategy, tmp_path / "off", max_steps=4, callbacks=[rebalancer]).fit(Net(), data(4))
+    assert read_metrics(tmp_path / "off") and not decisions(tmp_path / "off")
+    # With the loaders to move (a DataLoader left at `num_workers=0`), it decides on them only.
+    strategy = hetero(cpu_workers=0, micro_batches=MICRO)
+    rebalancer = AdaptiveRebalancer(every_n_steps=1, warmup_steps=0)
+    trainer(strategy, tmp_path / "on", max_steps=4, callbacks=[rebalancer]).fit(Net(), data(4))
+    rows = decisions(tmp_path / "on")
+    assert rows and all(row["rebalancer/cpu_fraction"] == 0.0 for row in rows)
+    assert all(row["rebalancer/reason"] == REASONS.index("hold") for row in rows)
 
 
 def test_does_nothing_without_the_hetero_strategy() -> None:
