@@ -8,10 +8,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.module import PipelineModule
+from lightning_hetero.multimodal import MultimodalModule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["HeteroAccelerator", "HeteroPlan", "HeteroStrategy", "PipelineModule"]
+__all__ = ["HeteroAccelerator", "HeteroPlan", "HeteroStrategy", "MultimodalModule", "PipelineModule"]
 __version__ = "0.1.0"
 
 if HeteroStrategy.strategy_name not in StrategyRegistry:

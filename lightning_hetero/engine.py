@@ -167,14 +167,15 @@ class StepEngine:
         if first:
             self.state = StepState(clock=self.state.clock, syncs=self.state.syncs)
         state, worker = self.state, self.worker
-        cpu_share = shares.pipeline_size < shares.batch_size
+        # A CPU worker that hosts an encoder computes in every step, whatever its share.
+        cpu_share = shares.pipeline_size < shares.batch_size or worker.encoders_on_cpu
         if cpu_share:
             self.refresh_replicas(_first_optimizer(trainer))
         state.cpu_share |= cpu_share
         state.skip, state.fraction, state.step = False, fraction, trainer.global_step
         state.detached = self._cpu_workers > 0 and state.syncs and not state.cpu_share
         consumes = state.syncs and self.sync.begin(
-            worker.expected_grads(shares), _clipping(trainer), state.detached, not worker.keeps_out(state.detached)
+            worker.arrivals(shares, batch), _clipping(trainer), state.detached, not worker.keeps_out(state.detached)
         )
         zero_grad = first and not is_overridden("optimizer_zero_grad", trainer.lightning_module)
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"

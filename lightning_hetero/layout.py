@@ -4,7 +4,8 @@ The layout is one value, a ``HeteroPlan`` (``plan.py``): the strategy's argument
 replayed, or the workload analyzer's once it applies one before the model is cut. While training,
 the rebalancer moves the CPU fraction (``set_cpu_fraction``), and with it the torch threads an
 emulated stage takes from CPU workers that have no share, and the split of the cores between
-loading and compute (``set_cpu_threads``, ``set_dataloader_workers``; ``loading.py``).
+loading and compute (``set_cpu_threads``, ``set_dataloader_workers``; ``loading.py``); a multimodal
+model's encoders may be placed elsewhere at any batch (``set_encoder_placement``; ``multimodal.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hetero.loading import LoaderPolicy, set_workers
+from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.shares import Shares, split_batch
 from lightning_hetero.topology import ProcessGroups, Role, Topology, threads_for, usable_cores
@@ -55,6 +57,8 @@ class RunLayout:
     _tuned_loaders: list[DataLoader]
     _loader_policy: LoaderPolicy
     local_rank: int
+    lightning_module: Optional[LightningModule]
+    _encoder_pacing: Optional[EncoderPacing] = None
 
     @property
     def plan(self) -> HeteroPlan:
@@ -109,11 +113,28 @@ class RunLayout:
         if self._groups is None:  # not in a worker process (yet)
             return
         plan = self._plan
-        threads = threads_for(self.role, self.topology, usable_cores(), plan.cpu_threads, plan.cpu_fraction > 0, plan.stage_threads)
+        cpu_computes = plan.cpu_fraction > 0 or any(host.startswith("cpu") for host in plan.encoders.values())
+        threads = threads_for(self.role, self.topology, usable_cores(), plan.cpu_threads, cpu_computes, plan.stage_threads)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
             if self._engine is not None:
                 self._engine.sync.set_threads(threads)
+
+    @property
+    def encoder_placement(self) -> dict[str, str]:
+        """Where a multimodal model's placed encoders run, by modality (those left out are ``"split"``)."""
+        return dict(self._plan.encoders)
+
+    def set_encoder_placement(self, placement: Mapping[str, str]) -> None:
+        """Place a multimodal model's encoders so from the next training batch on (``HeteroStrategy(encoders=...)``;
+        modalities left out are ``"split"``). Every rank must set the same placement at the same step."""
+        plan = replace(self._plan, encoders=check_placement(placement))
+        if self.lightning_module is not None:
+            plan.place_blocks(self.lightning_module)  # checks the placement for the model
+        self._plan = plan
+        if self._engine is not None and self._engine.worker.encoders is not None:
+            self._engine.worker.encoders.set_placement(plan.encoders)
+        self._set_threads()
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
@@ -129,6 +150,15 @@ class RunLayout:
         self._emulated_speed = check_emulated_speed(speed)
         if self._engine is not None:
             self._engine.pace(self._emulated_speed)
+        if self._encoder_pacing is not None:
+            self._encoder_pacing.set(self._emulated_speed)
+
+    def _pace_encoders(self, module: LightningModule) -> None:
+        """TESTING ONLY: a multimodal model's encoders at their emulated speeds on this process
+        (``emulated_speed``'s ``"<modality>@cpu"`` and ``"@device"``), before anything times them."""
+        if offers_modalities(module) and any("@" in key for key in self._emulated_speed):
+            self._encoder_pacing = EncoderPacing(module, "cpu" if self.role.is_cpu_worker else "device")
+            self._encoder_pacing.set(self._emulated_speed)
 
     def check_model(self, model: LightningModule) -> list[nn.Module]:
         """The model's blocks, after checking the contract and that they fill the stages; decides

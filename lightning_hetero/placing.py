@@ -20,15 +20,17 @@ from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy
 from lightning_hetero.module import tied_parameters
+from lightning_hetero.multimodal import EncoderExchange, offers_modalities
 from lightning_hetero.pipeline import resolve_schedule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import ReportExchange, relog
+from lightning_hetero.shares import Shares
 from lightning_hetero.sync import GlobalNorm, GradSync
 from lightning_hetero.topology import ProcessGroups, Topology, tied_groups
 from lightning_hetero.workers import ROLES, Placement, Tied
 
-__all__ = ["place_rank", "build_sync", "replica_norm"]
+__all__ = ["place_rank", "build_sync", "replica_norm", "encoder_exchange"]
 
 
 def place_rank(
@@ -57,6 +59,9 @@ def place_rank(
     worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
     if plan.parallelism == "replicas" and has_batch_norm(module):
         worker.norm = replica_norm(module, topology, whole_batch_norm, timeout)
+    if offers_modalities(module) and (topology.replicas or topology.num_stages == 1):
+        worker.encoders = encoder_exchange(module, topology, node_rank, local_rank, device, timeout)
+        worker.encoders.set_placement(plan.encoders)
     return StepEngine(
         worker=worker,
         exchange=ReportExchange(
@@ -112,3 +117,31 @@ def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeo
     for key, (start, stop) in sets.items() if whole else ():
         groups[key] = group([r for node in range(topology.num_nodes) for r in topology.node_ranks(node)[start:stop]])
     return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
+
+
+def encoder_exchange(
+    module: LightningModule, topology: Topology, node_rank: int, local_rank: int, device: torch.device, timeout: timedelta
+) -> EncoderExchange:
+    """This rank's part in a multimodal model's placed encoders (``multimodal.py``): every process of its
+    node by place (``cpu0``, ``device1``) and the samples each computes of a batch. Collective: every
+    rank creates every node's group."""
+    cpus, devices = topology.cpu_workers, topology.num_stages
+    places = [f"cpu{i}" for i in range(cpus)] + [f"device{j}" for j in range(devices)]
+    group = None
+    for node in range(topology.num_nodes):
+        # A group of its own: these sends run beside the step's other collectives.
+        created = dist.new_group(topology.node_ranks(node), backend="gloo", timeout=timeout)
+        if node == node_rank:
+            group = created
+    assert group is not None
+
+    def cpu(index: int, shares: Shares) -> tuple[int, int]:
+        return shares.cpu[index]
+
+    def device_part(index: int, shares: Shares) -> tuple[int, int]:
+        return shares.device_part(index, devices) if topology.replicas else shares.pipeline
+
+    ranges = [(f"cpu{i}", partial(cpu, i)) for i in range(cpus)]
+    ranges += [(f"device{j}", partial(device_part, j)) for j in range(devices)]
+    hosts = dict(zip(places, topology.node_ranks(node_rank)))
+    return EncoderExchange(module, hosts, ranges, places[local_rank], group, device)

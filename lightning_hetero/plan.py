@@ -25,6 +25,7 @@ from torch import nn
 from lightning_hetero.files import atomic_write
 from lightning_hetero.module import check_model_contract, check_replica_contract, layer_names, offers_blocks
 from lightning_hetero.module import tied_parameters
+from lightning_hetero.multimodal import check_encoder_placement, check_placement
 from lightning_hetero.offload import check_offload
 from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
 from lightning_hetero.sync import make_buckets
@@ -43,6 +44,7 @@ LAYOUT_ARGUMENTS = (
     "cpu_fraction",
     "offload",
     "bucket_size_mb",
+    "encoders",
 )
 """``HeteroStrategy``'s arguments that a plan sets."""
 
@@ -83,6 +85,10 @@ class HeteroPlan:
     """Fine mode: the parameter size that closes a bucket."""
     dataloader_workers: Optional[int] = None
     """DataLoader worker processes per rank (None: as the DataLoader was built)."""
+    encoders: dict[str, str] = field(default_factory=dict)
+    """A multimodal model's encoders placed on one process, by modality: ``"cpuN"`` or ``"deviceN"``
+    computes it for every worker's share (``multimodal.py``); an encoder left out is ``"split"``:
+    every worker computes it on its own share."""
     predicted_step_s: Optional[float] = None
     """The step time the planner predicted for this layout (information, not layout)."""
 
@@ -135,6 +141,7 @@ class HeteroPlan:
             raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be positive.")
         if self.dataloader_workers is not None and self.dataloader_workers < 0:
             raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
+        self.encoders = check_placement(self.encoders)
 
     def for_model(self, model: nn.Module) -> HeteroPlan:
         """This plan with ``parallelism`` decided for ``model`` (``"auto"``: a pipeline where it offers
@@ -155,7 +162,9 @@ class HeteroPlan:
         pipeline, ``pipeline_layers()`` cut where the plan cuts them, or balanced by parameter count;
         replicas hold all of the model's parameter blocks (``check_replica_contract``) in one piece.
         Raises a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist."""
-        if self.for_model(model).parallelism == "replicas":
+        replicas = self.for_model(model).parallelism == "replicas"
+        check_encoder_placement(model, self.encoders, self.cpu_workers, len(self.stages), replicas)
+        if replicas:
             layers = check_replica_contract(model)
             bounds = [(0, len(layers))]
         else:
@@ -216,6 +225,7 @@ class HeteroPlan:
         cpu_fraction: Any,
         offload: Any,
         bucket_size_mb: Any,
+        encoders: Any = None,
     ) -> HeteroPlan:
         """The plan of ``HeteroStrategy``'s layout arguments (see its docstring), after checking each
         one: ``stages`` becomes one device per stage, ``cpu_fraction="auto"`` a number."""
@@ -240,6 +250,7 @@ class HeteroPlan:
             cpu_fraction=_fraction(cpu_fraction, cpu_workers, [d.type for d in devices]),
             offload=offload if isinstance(offload, str) else sorted(set(offload)),
             bucket_size_mb=float(bucket_size_mb),
+            encoders=check_placement(encoders),
         )
 
     @classmethod
@@ -315,4 +326,6 @@ def _show(value: Any) -> str:
         return f"{value:.4g}"
     if isinstance(value, list):
         return ", ".join(str(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items()) or "-"
     return "-" if value is None else str(value)

@@ -35,9 +35,11 @@ with more buckets offloaded where the device's memory needs it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
@@ -884,7 +886,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="hetero-plan",
         description="Plan a hetero run from a saved profile (profile.json, written by WorkloadAnalyzer) for a"
-        " hypothetical machine, and print the plan, its predicted step time, bubble and memory per device.",
+        " hypothetical machine, and print the plan, its predicted step time, bubble and memory per device. Given a"
+        " multimodal model's encoders.json, place its encoders on that machine (--gpus devices, --cpu-workers).",
     )
     parser.add_argument("profile", help="profile.json written by the WorkloadAnalyzer callback")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs, one pipeline stage each")
@@ -911,7 +914,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-micro-batches", type=int, default=8)
     parser.add_argument("--bucket-size-mb", type=float, default=25.0)
     parser.add_argument("--save", default=None, help="write the plan here (YAML), to replay with HeteroStrategy(plan=...)")
+    parser.add_argument(
+        "--cpu-fraction", type=float, default=0.0, help="encoders.json: the CPU workers' share of every batch (default 0)"
+    )
     args = parser.parse_args(argv)
+    if _names_encoders(args.profile):
+        _place_encoders(parser, args)
+        return
     try:
         profile = Profile.load(args.profile)
         machine = hypothetical_machine(
@@ -942,6 +951,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(explain(profile, plan, prediction, alternative=next(iter(layouts.values()), None)))
     if args.save:
         print(f"\nplan written to {plan.save(args.save)}")
+
+
+def _names_encoders(path: str) -> bool:
+    """Whether ``path`` is a multimodal model's encoder profile (``encoders.json``)."""
+    try:
+        return "places" in json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _place_encoders(parser: Any, args: Any) -> None:
+    """``hetero-plan encoders.json``: the best placement of the encoders on the machine the options
+    describe, and the fastest others (``encoder_planner``)."""
+    from lightning_hetero.encoder_planner import EncoderProfile, best_placement, explain_placement, samples_by_place
+
+    try:
+        profile = EncoderProfile.load(args.profile).on(
+            args.gpus, args.gpu_speed, args.cpu_workers, args.cpu_speed, args.sync_gbps
+        )
+        samples = samples_by_place(args.batch_size or profile.batch_size, args.cpu_fraction, args.cpu_workers, args.gpus)
+        best = best_placement(profile.costs(), samples, profile.carrying)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    print("encoders: " + (", ".join(f"{m}: {w}" for m, w in best.placement.items()) or "every encoder split"))
+    print(f"(HeteroStrategy(encoders={best.placement}), predicted step {best.step_s * 1e3:.3f} ms)")
+    print()
+    print(explain_placement(profile, samples))
 
 
 if __name__ == "__main__":

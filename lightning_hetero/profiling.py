@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
 from lightning_hetero.module import run_layers
-from lightning_hetero.shares import slice_batch
+from lightning_hetero.shares import batch_size_of, slice_batch
 
 __all__ = [
     "LayerProfile",
@@ -50,6 +50,8 @@ __all__ = [
     "all_reduce_over",
     "gradient_sum_over",
     "optimizer_state_factor",
+    "EncoderTimes",
+    "time_encoders",
 ]
 
 
@@ -492,3 +494,59 @@ def gradient_sum_over(group: dist.ProcessGroup) -> Callable[[Tensor], None]:
         gradients.copy_(flat)
 
     return transfer
+
+
+@dataclass
+class EncoderTimes:
+    """A multimodal model's costs on one process (``encoder_planner.py``), in seconds per sample."""
+
+    forward: dict[str, float]
+    """Each encoder's forward, per sample carrying its modality."""
+    backward: dict[str, float]
+    """Each encoder's backward, per sample carrying its modality."""
+    rest: float
+    """The training step's forward and backward less its encoders', per sample of the batch."""
+    output_bytes: dict[str, float]
+    """Each encoder's output, per sample carrying its modality: what a placed encoder sends."""
+    carrying: dict[str, float]
+    """The fraction of the batch's samples that carry each modality."""
+
+
+def time_encoders(module: Any, batch: Any, device: torch.device, repeats: int) -> EncoderTimes:
+    """Time a multimodal model's encoders (``modality_encoders``) on ``batch`` on ``device``, and its
+    whole training step, forward and backward, leaving no trace: gradients are computed and dropped,
+    buffers and the random generators put back, what the step logs is captured and dropped."""
+    from lightning_hetero.multimodal import modality_encoders
+    from lightning_hetero.results import LogCapture
+
+    batch = move_data_to_device(batch, device)
+    size = batch_size_of(batch)
+    encoders = modality_encoders(module)
+    inputs = {m: x for m, x in module.modality_inputs(batch).items() if x is not None}
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def grads_of(outputs: Tensor, wrt: list[nn.Parameter]) -> None:
+        if wrt and outputs.requires_grad:
+            torch.autograd.grad(outputs, wrt, torch.ones_like(outputs), allow_unused=True)
+
+    def step() -> None:
+        with LogCapture(module, size, size):
+            output = module.training_step(batch, 0)
+        loss = output["loss"] if isinstance(output, dict) else output
+        grads_of(loss, params)
+
+    forward, backward, output_bytes, carrying = {}, {}, {}, {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), kept_buffers([module]):
+        for modality, x in inputs.items():
+            encoder, rows = encoders[modality], max(1, batch_size_of(x))
+            own = [p for p in encoder.parameters() if p.requires_grad]
+            with torch.no_grad():
+                output = encoder(x)
+                fwd = _median_time(lambda: encoder(x), device, repeats)
+            both = _median_time(lambda: grads_of(encoder(x), own), device, repeats)
+            forward[modality], backward[modality] = fwd / rows, max(0.0, both - fwd) / rows
+            output_bytes[modality] = output.numel() * output.element_size() / rows
+            carrying[modality] = batch_size_of(x) / size
+        whole = _median_time(step, device, repeats)
+    encoded = sum((forward[m] + backward[m]) * carrying[m] * size for m in inputs)
+    return EncoderTimes(forward, backward, max(0.0, whole - encoded) / size, output_bytes, carrying)

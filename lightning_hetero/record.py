@@ -42,7 +42,8 @@ class StepRecord:
     optimizer: float = 0.0
     """Clipping and the optimizer step (fine mode: the buckets' steps, overlapped with the backward)."""
     wait: float = 0.0
-    """Waiting for the other workers when the step's results are shared (the faster side waits)."""
+    """Waiting for the other workers when the step's results are shared (the faster side waits), and
+    for the output (or gradient) of a multimodal model's encoder placed on another process."""
     data: float = 0.0
     """Between the previous step and this one: loading the batch, and the training loop's own work."""
     total: float = 0.0
@@ -165,6 +166,9 @@ class Recorder:
             return None
         seconds = self.clock.resolve()
         pipeline, stage = seconds.pop("pipeline", None), seconds.pop("stage", 0.0)
+        # Waiting for a placed encoder's output or gradient (``multimodal.py``) is no compute.
+        waited = seconds.get("encoder wait", 0.0)
+        seconds["compute"], seconds["wait"] = seconds.get("compute", 0.0) - waited, seconds.get("wait", 0.0) + waited
         share = seconds.get("compute", 0.0) + (pipeline or 0.0)
         seconds["compute"] = seconds.get("compute", 0.0) + stage
         seconds["communicate"] = seconds.get("communicate", 0.0) + seconds.get("sync", 0.0)

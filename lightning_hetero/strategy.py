@@ -98,6 +98,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             those; ``"keep"`` never changes one; an int sets every DataLoader's (``docs/planning.md``).
         parallelism: what the devices hold: ``"pipeline"``, a stage each, cut from the model's blocks;
             ``"replicas"``, the whole model each (any LightningModule); ``"auto"``: a pipeline where the model offers blocks.
+        encoders: a multimodal model's encoders by modality, placed: ``"cpuN"`` (CPU worker N) or ``"deviceN"``
+            (the process of device N) computes that encoder for every worker's share of each batch, while the
+            others compute theirs; ``"split"`` (the default for any left out): every worker its own share's
+            (``docs/multimodal.md``).
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
         emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q}`` makes each side's share of a training
@@ -124,6 +128,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         emulated_speed: Optional[Mapping[str, float]] = None,
         parallelism: Literal["auto", "pipeline", "replicas"] = "auto",
         dataloader_workers: LoaderPolicy = "auto",
+        encoders: Optional[Mapping[str, str]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -307,6 +312,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
             _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         self.model = self.precision_plugin.convert_module(module)
+        self._pace_encoders(module)
         if self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING:
             self.apply_plan(self._planner(module.trainer, self, layers))
         engine = place_rank(

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional, Union
 
@@ -41,6 +42,7 @@ from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, param_
 from lightning_hetero.record import StepClock, span
 
 __all__ = [
+    "Arrivals",
     "SumOver",
     "GradSync",
     "CoarseSync",
@@ -60,6 +62,19 @@ log = logging.getLogger(__name__)
 
 Clipping = tuple[Optional[float], Optional[float]]
 """(clip by value, clip by norm), as the Trainer is set."""
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """Gradients each parameter receives in an optimizer step's last backward: ``each`` (one per
+    backward pass of this rank's share), except the parameters in ``params`` (a placed encoder's:
+    one per share its host computes it for, none on the workers it answers; ``multimodal.py``)."""
+
+    each: int
+    params: Mapping[nn.Parameter, int] = field(default_factory=dict)
+
+    def of(self, param: nn.Parameter) -> int:
+        return self.params.get(param, self.each)
 
 
 def set_grads_aside(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -173,9 +188,9 @@ class GradSync:
         """This rank's bucket steps (fine mode), which hold offloaded optimizer state."""
         return []
 
-    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+    def begin(self, arrivals: Arrivals, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
         """Before the backward of an optimizer step's last batch, in which each used parameter
-        receives ``arrivals`` gradients. ``detached``: the CPU workers had no share of this optimizer
+        receives ``arrivals.of(param)`` gradients. ``detached``: the CPU workers had no share of this optimizer
         step and keep out of its sum; ``takes_part``: whether this rank sums (a CPU worker kept out
         does not). Returns whether the backward's gradients go to the sync as they arrive, so the
         worker must leave them in ``.grad``."""
@@ -264,7 +279,7 @@ class CoarseSync(GradSync):
         self._detached, self._takes_part = False, True
 
     @override
-    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+    def begin(self, arrivals: Arrivals, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
         self._detached, self._takes_part = detached, takes_part
         return False
 
@@ -357,7 +372,7 @@ class FineSync(GradSync):
         return self._overlap.stepped_early
 
     @override
-    def begin(self, arrivals: int, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
+    def begin(self, arrivals: Arrivals, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
         self._refresh()
         self._clip_norm = clipping[1]
         self._takes_part = takes_part
@@ -546,8 +561,8 @@ class _Overlap:
         """Whether the buckets step only after the backward, once every rank knows the global norm."""
         return clip_norm is not None or self._skip_nonfinite
 
-    def begin(self, arrivals: int, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
-        """Arm the hooks for a backward in which each used parameter receives ``arrivals`` gradients;
+    def begin(self, arrivals: Arrivals, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
+        """Arm the hooks for a backward in which each used parameter receives ``arrivals.of(p)`` gradients;
         ``detached``: the CPU workers had no share of this optimizer step and do not sum."""
         for k, params in enumerate(self._params):
             for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
@@ -557,7 +572,8 @@ class _Overlap:
         self._deferred = self.defers_steps(clip_norm)
         self._detached = detached
         self._counts: dict[nn.Parameter, int] = {}
-        self._missing = [sum(p.requires_grad for p in params) for params in self._params]
+        # A parameter that receives nothing here (an encoder computed elsewhere) does not hold its bucket back.
+        self._missing = [sum(p.requires_grad and arrivals.of(p) > 0 for p in params) for params in self._params]
         self._next = 0
         self._done: list[Future] = []
         self._backward_over = False
@@ -625,13 +641,14 @@ class _Overlap:
             return
         count = self._counts.get(param, 0) + 1
         self._counts[param] = count
-        if count > self._arrivals:
+        expected = self._arrivals.of(param)
+        if count > expected:
             raise RuntimeError(
-                f"A parameter of bucket {k} received {count} gradients in a backward that gives each {self._arrivals}:"
+                f"A parameter of bucket {k} received {count} gradients in a backward that gives it {expected}:"
                 " it is used outside its own layer (or twice per micro-batch through a path the layer does not own),"
                 " which the model contract rules out."
             )
-        if count == self._arrivals:
+        if count == expected:
             self._missing[k] -= 1
             self._start_complete()
 

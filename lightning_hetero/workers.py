@@ -22,6 +22,7 @@ gradients are set aside and put back in the strategy's ``backward`` (see ``Worke
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -39,6 +40,7 @@ from typing_extensions import override
 from lightning_hetero.batchnorm import ReplicaNorm
 from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
+from lightning_hetero.multimodal import EncoderExchange
 from lightning_hetero.offload import BucketStep, choose_offloaded
 from lightning_hetero.pipeline import Pipeline, StageModule
 from lightning_hetero.record import span
@@ -46,6 +48,7 @@ from lightning_hetero.results import LogCapture, WorkerReport
 from lightning_hetero.shares import Shares, slice_batch
 from lightning_hetero.state import drop_to_meta, fill_from_peers, refresh_replicas
 from lightning_hetero.sync import (
+    Arrivals,
     Bucket,
     CoarseSync,
     FineSync,
@@ -169,10 +172,22 @@ class Worker:
         self.pace = 0.0
         """TESTING ONLY: seconds per sample this worker's training share takes at least (the
         strategy's ``emulated_speed``); 0 runs at the real speed."""
+        self.encoders: Optional[EncoderExchange] = None
+        """This rank's part in a multimodal model's placed encoders (``multimodal.py``), where it has any."""
 
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each used parameter receives in this step's backward."""
         raise NotImplementedError
+
+    @property
+    def encoders_on_cpu(self) -> bool:
+        """Whether an encoder is placed on a CPU worker, which then computes in every step."""
+        return self.encoders is not None and self.encoders.on_cpu_worker
+
+    def arrivals(self, shares: Shares, batch: Any) -> Arrivals:
+        """Gradients each parameter receives in this step's backward (fine mode counts them)."""
+        each = self.expected_grads(shares)
+        return Arrivals(each, self.encoders.extra_arrivals(batch, shares, each) if self.encoders else {})
 
     def train_step(
         self, batch: Any, batch_idx: int, shares: Shares, accumulate: int, grads: GradPolicy, clock: Any
@@ -343,20 +358,39 @@ class _WholeModel(Worker):
         if self.norm is not None:
             self.norm.before(shares)
 
+        encoders = self.encoders if self.encoders is not None and self.encoders.placement else None
+
+        def own_share() -> tuple[WorkerReport, Any]:
+            share = self._on_device(slice_batch(batch, start, stop))
+            with encoders.receiving(share) if encoders is not None else nullcontext():
+                report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
+                weight = (stop - start) / (shares.batch_size * accumulate)
+                self.module.backward(_loss_of(output, "training_step") * weight)
+            if encoders is not None:
+                encoders.send_gradients()
+            return report, output
+
         def compute() -> tuple[WorkerReport, Any]:
-            if start == stop:
+            if start == stop and encoders is None:
                 return WorkerReport(), None
             # On a GPU, the device's own time (CUDA events): the host only queues the work.
             with clock.device_span("compute") if clock is not None else nullcontext():
                 started = time.perf_counter()
-                share = self._on_device(slice_batch(batch, start, stop))
-                report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
-                weight = (stop - start) / (shares.batch_size * accumulate)
-                self.module.backward(_loss_of(output, "training_step") * weight)
+                if encoders is not None:  # placed encoders: this rank's part for the others first
+                    encoders.forward_for_others(batch, shares, clock)
+                report, output = own_share() if start < stop else (WorkerReport(), None)
+                if encoders is not None:
+                    encoders.backward_for_others()
+                    encoders.finish()
                 self._pad(stop - start, started)
                 return report, output
 
-        result = self._train(compute, grads)
+        try:
+            result = self._train(compute, grads)
+        except BaseException:
+            if encoders is not None:
+                encoders.abort()
+            raise
         if self.norm is not None:
             self.norm.after_training_batch(stop - start, shares.batch_size)
         return result
@@ -634,17 +668,23 @@ def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> 
         )
 
 
+_ENCODER_SPEED = re.compile(r"^.+@(cpu|device)$")
+
 ROLES: dict[str, Any] = {"cpu": CpuWorker, "stage": StageWorker, "replica": DeviceReplica}
 """Each ``topology.Role.kind``'s class."""
 
 
 def check_emulated_speed(speed: Optional[Mapping[str, float]]) -> dict[str, float]:
-    """``HeteroStrategy(emulated_speed=...)``, checked: samples per second by ``Worker.speed_key``."""
+    """``HeteroStrategy(emulated_speed=...)``, checked: samples per second by ``Worker.speed_key``, and
+    by ``"<modality>@cpu"`` / ``"<modality>@device"`` for a multimodal model's encoder on a CPU worker or
+    a device's process (its forward, per sample carrying the modality)."""
     if speed is None:
         return {}
-    if not isinstance(speed, Mapping) or not set(speed) <= {role.speed_key for role in ROLES.values()}:
+    keys = {role.speed_key for role in ROLES.values()}
+    if not isinstance(speed, Mapping) or not all(k in keys or _ENCODER_SPEED.match(str(k)) for k in speed):
         raise ValueError(
-            f"`emulated_speed={speed!r}` must map 'cpu' and/or 'pipeline' to samples per second (testing only)."
+            f"`emulated_speed={speed!r}` must map 'cpu', 'pipeline', '<modality>@cpu' or '<modality>@device' to"
+            " samples per second (testing only)."
         )
     for key, value in speed.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

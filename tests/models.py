@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_hetero import PipelineModule
+from lightning_hetero import MultimodalModule, PipelineModule
 
 
 class Net(PipelineModule, L.LightningModule):
@@ -439,4 +439,112 @@ def dict_data(n: int = 44, batch_size: int = 12) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     x, y, scale = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g), torch.rand(n, 1, generator=g) + 0.5
     items = [{"x": x[i], "y": y[i], "scale": scale[i], "id": f"sample-{i}"} for i in range(n)]
+    return DataLoader(items, batch_size=batch_size)
+
+
+class ImageEncoder(nn.Module):
+    """A small convolutional encoder of 1x6x6 images."""
+
+    def __init__(self, width: int = 8, norm: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.norm = nn.BatchNorm2d(4) if norm else nn.Identity()
+        self.out = nn.Linear(4 * 4 * 4, width)
+
+    samples = 0
+    """Images this process's copy has encoded (training and evaluation)."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.samples += len(images)
+        return torch.tanh(self.out(self.norm(torch.relu(self.conv(images))).flatten(1)))
+
+
+class TextEncoder(nn.Module):
+    """Token embeddings averaged over each sequence, projected."""
+
+    def __init__(self, vocab: int = 30, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 12)
+        self.out = nn.Linear(12, width)
+
+    samples = 0
+    """Texts this process's copy has encoded (training and evaluation)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.samples += len(tokens)
+        return self.out(self.embed(tokens).mean(1))
+
+
+class Multimodal(MultimodalModule, L.LightningModule):
+    """Two encoders (image, text) fused by sum into an MLP backbone. A sample may lack either modality
+    (``has_image``, ``has_text``); a batch none of whose samples carries one leaves it out."""
+
+    def __init__(self, width: int = 8, norm: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.image = ImageEncoder(width, norm)
+        self.text = TextEncoder(width=width)
+        self.backbone = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def modality_encoders(self) -> dict[str, nn.Module]:
+        return {"image": self.image, "text": self.text}
+
+    def modality_inputs(self, batch: dict) -> dict[str, torch.Tensor]:
+        inputs = {}
+        if batch["has_image"].any():
+            inputs["image"] = batch["image"][batch["has_image"]]
+        if batch["has_text"].any():
+            inputs["text"] = batch["tokens"][batch["has_text"]]
+        return inputs
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        features = self.encode(batch)
+        fused = torch.zeros(len(batch["y"]), self.backbone[0].in_features, dtype=self.dtype, device=self.device)
+        for name, mask in (("image", batch["has_image"]), ("text", batch["has_text"])):
+            if name in features:
+                fused = fused.index_add(0, mask.nonzero().squeeze(1), features[name])
+        return self.backbone(fused).squeeze(1)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self(batch), batch["y"])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self(batch), batch["y"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def multimodal_data(n: int = 48, batch_size: int = 12, text_only_from: int | None = None) -> DataLoader:
+    """Samples with an image, a text or both (about a third each); from sample ``text_only_from`` on,
+    none has an image."""
+    g = torch.Generator().manual_seed(3)
+    images, tokens = torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 30, (n, 5), generator=g)
+    kind = torch.randint(0, 3, (n,), generator=g)
+    has_image, has_text = kind != 1, kind != 0
+    if text_only_from is not None:
+        has_image[text_only_from:], has_text[text_only_from:] = False, True
+    y = torch.randn(n, generator=g, dtype=torch.float64)
+    items = [
+        {"image": images[i], "tokens": tokens[i], "has_image": has_image[i], "has_text": has_text[i], "y": y[i]}
+        for i in range(n)
+    ]
+    return DataLoader(items, batch_size=batch_size)
+
+
+def phased_data(n: int = 288, batch_size: int = 12, switch: int = 144) -> DataLoader:
+    """Multimodal samples whose mix changes at sample ``switch``: before it every sample has an image
+    and one in six a text; after it the other way round."""
+    g = torch.Generator().manual_seed(4)
+    images, tokens = torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 30, (n, 5), generator=g)
+    rare = torch.arange(n) % 6 == 0
+    first = torch.arange(n) < switch
+    has_image, has_text = first | rare, ~first | rare
+    y = torch.randn(n, generator=g, dtype=torch.float64)
+    items = [
+        {"image": images[i], "tokens": tokens[i], "has_image": has_image[i], "has_text": has_text[i], "y": y[i]}
+        for i in range(n)
+    ]
     return DataLoader(items, batch_size=batch_size)

@@ -17,13 +17,14 @@ from lightning_hetero.engine import StepEngine
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import LoggedValue, WorkerReport
 from lightning_hetero.shares import Shares, split_batch
-from lightning_hetero.sync import GradSync
+from lightning_hetero.sync import Arrivals, GradSync
 
 
 class FakeWorker:
     """A role that computes ``samples`` of each batch with a fixed loss, leaving gradient 1 in ``param``."""
 
     speed_key = "cpu"
+    encoders_on_cpu = False
 
     def __init__(self, calls: list, loss: float = 1.0, cpu_worker: bool = True, fail: bool = False) -> None:
         self.calls, self.loss, self.cpu_worker, self.fail = calls, loss, cpu_worker, fail
@@ -32,8 +33,8 @@ class FakeWorker:
         self.pace = 0.0
         self.policies: list[str] = []
 
-    def expected_grads(self, shares: Shares) -> int:
-        return 1
+    def arrivals(self, shares: Shares, batch: Any) -> Arrivals:
+        return Arrivals(1)
 
     def keeps_out(self, detached: bool) -> bool:
         return detached and self.cpu_worker

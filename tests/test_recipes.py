@@ -20,6 +20,7 @@ from lightning_hetero.cli import HeteroCLI
 from recipes import gpt
 from recipes.causal_lm import CausalLM, CausalLMData
 from recipes.data import read_idx, write_idx
+from recipes import multimodal
 from recipes.mlp import DigitsData, main
 from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
 from tests.models import read_metrics
@@ -28,6 +29,7 @@ from tests.test_launchers import slurm_tasks, torchrun_nodes
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("mlp*.yaml"))
 GPT_CONFIGS = sorted((ROOT / "configs").glob("gpt*.yaml"))
+MULTIMODAL_CONFIGS = sorted((ROOT / "configs").glob("multimodal*.yaml"))
 
 
 def small_text(directory: Path) -> Path:
@@ -220,12 +222,16 @@ def test_missing_text_file_is_reported(tmp_path: Path) -> None:
         load_text(str(tmp_path / "nope.txt"), 100)
 
 
-@pytest.mark.parametrize("recipe", ["mlp", "gpt"])
+@pytest.mark.parametrize("recipe", ["mlp", "gpt", "multimodal"])
 def test_recipe_metrics_see_every_sample_once(tmp_path: Path, recipe: str) -> None:
-    # The same recipe, hetero (the batch split three ways) and on one device, in float64: the
-    # loss, accuracy and perplexity they log are the same numbers.
+    # The same recipe, hetero (the batch split three ways; the multimodal recipe's images encoded on
+    # the device for every share) and on one device, in float64: the loss, accuracy and perplexity
+    # they log are the same numbers.
     if recipe == "mlp":
         run_recipe, config, extra, keys = main, CONFIGS[0], ["--model.init_args.hidden", "[32]"], ("train_loss", "train_acc", "val_acc", "val_loss")
+    elif recipe == "multimodal":
+        run_recipe, config, keys = multimodal.main, MULTIMODAL_CONFIGS[0], ("train_loss", "train_acc", "val_acc", "val_loss")
+        extra = ["--model.init_args.width", "16", "--data.init_args.phases", "[[1.0, 0.5], [0.5, 1.0]]"]
     else:
         run_recipe, config, extra, keys = gpt.main, GPT_CONFIGS[0], tiny_gpt(tmp_path), ("train_loss", "train_ppl", "val_ppl", "val_loss")
 
@@ -241,8 +247,9 @@ def test_recipe_metrics_see_every_sample_once(tmp_path: Path, recipe: str) -> No
         ])  # fmt: skip
         return read_metrics(out)
 
+    placed = ["--trainer.strategy.init_args.encoders", "{image: device0}"] if recipe == "multimodal" else []
     hetero_rows = run(tmp_path / "hetero", "--trainer.strategy.init_args.start_method", "fork",
-                      "--trainer.strategy.init_args.timeout", "60")  # fmt: skip
+                      "--trainer.strategy.init_args.timeout", "60", *placed)  # fmt: skip
     plain_rows = run(tmp_path / "plain", "--trainer.strategy", "auto", "--trainer.accelerator", "cpu", "--trainer.devices", "1")
     for key in keys:
         het = [row[key] for row in hetero_rows if key in row]
@@ -327,3 +334,54 @@ def test_the_causal_lm_recipe_fine_tunes_a_saved_model_with_its_own_tokenizer(
 
     assert max((fine_tune(0.0)[k] - v).abs().max().item() for k, v in pretrained.items()) < 1e-7
     assert max((fine_tune(0.01)[k] - v).abs().max().item() for k, v in pretrained.items()) > 1e-4
+
+
+@pytest.mark.parametrize("config", MULTIMODAL_CONFIGS, ids=[c.stem for c in MULTIMODAL_CONFIGS])
+def test_the_multimodal_configs(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fits a few steps on emulated devices (placed by the analyzer, followed by MixRebalancer)
+    and its printed config is the same run."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sizes = ["--model.init_args.image_size", "8", "--data.init_args.image_size", "8"]
+    multimodal.main(quick(config, tmp_path, "--trainer.strategy.init_args.stages", "[cpu]", *sizes))
+    assert list(tmp_path.glob("wandb/offline-run-*")) and list(tmp_path.rglob("*.ckpt"))
+    assert (tmp_path / "encoders.json").exists() and "Encoders:" in (tmp_path / "explain.txt").read_text()
+    first = printed(["fit", "--config", str(config)])
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(first)
+    assert printed(["fit", "--config", str(saved)]) == first
+
+
+def test_the_multimodal_recipe_reads_your_files(tmp_path: Path) -> None:
+    """A JSON-lines manifest of images (any format Pillow reads) and captions, either may be missing."""
+    Image.new("L", (16, 16), color=255).save(tmp_path / "white.png")
+    Image.new("RGB", (4, 4), color=(0, 0, 0)).save(tmp_path / "black.jpg")
+    samples = [
+        {"image": "white.png", "text": "a white square", "label": 1},
+        {"image": "black.jpg", "label": 0},
+        {"text": "only words here", "label": 2},
+    ] * 4
+    manifest = tmp_path / "samples.jsonl"
+    manifest.write_text("\n".join(json.dumps(s) for s in samples))
+    data = multimodal.CaptionedDigits(manifest=str(manifest), val_size=3, phases=[[1.0, 1.0]], batch_size=4)
+    data.setup("fit")
+    items = [data.train[i] for i in range(len(data.train))] + [data.val[i] for i in range(len(data.val))]
+    by_label = {int(item["label"]): item for item in items}
+    assert by_label[1]["has_image"] and by_label[1]["has_text"] and by_label[1]["image"].min() == 1.0
+    assert by_label[0]["has_image"] and not by_label[0]["has_text"] and by_label[0]["image"].max() == 0.0
+    assert not by_label[2]["has_image"] and by_label[2]["has_text"]
+    assert by_label[1]["image"].shape == (1, 8, 8) and (by_label[2]["tokens"] > 1).sum() == 3  # three known words
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        multimodal.CaptionedDigits(manifest=str(tmp_path / "nope.jsonl")).setup("fit")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"label": 1}))
+    with pytest.raises(ValueError, match="needs an 'image' or a 'text'"):
+        multimodal.CaptionedDigits(manifest=str(tmp_path / "bad.jsonl")).setup("fit")
+
+
+def test_the_multimodal_recipes_mix_changes_within_the_epoch() -> None:
+    data = multimodal.CaptionedDigits(phases=[[1.0, 0.1], [0.1, 1.0]])
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    first, last = batches[0], batches[-1]
+    assert first["has_image"].all() and first["has_text"].float().mean() < 0.4
+    assert last["has_text"].all() and last["has_image"].float().mean() < 0.4
+    assert all((b["has_image"] | b["has_text"]).all() for b in batches)  # every sample carries something

@@ -42,6 +42,7 @@ def assert_same_run(
     key: str = "train_loss",
     loss_tol: float = TOL,
     callbacks: list | None = None,
+    steps: int = STEPS,
     **trainer_kwargs: Any,
 ) -> None:
     """Plain and hetero give the same parameters and losses, and every rank's copy of every
@@ -50,7 +51,7 @@ def assert_same_run(
     def fit(strategy: Any, log_dir: Path, more: list) -> tuple[L.LightningModule, list]:
         m = model()
         extra = [LearningRateMonitor("step"), *(callbacks or []), *more]
-        t = trainer(strategy, log_dir, max_steps=STEPS, callbacks=extra, **trainer_kwargs)
+        t = trainer(strategy, log_dir, max_steps=steps, callbacks=extra, **trainer_kwargs)
         t.fit(m, data())
         return m, read_metrics(log_dir)
 

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -30,8 +31,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_hetero.data import training_loader
+from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction, best_placement, explain_placement, samples_by_place
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, split_cores, tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
+from lightning_hetero.multimodal import offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -52,6 +55,7 @@ from lightning_hetero.profiling import (
     optimizer_state_factor,
     profile_layers,
     step_work,
+    time_encoders,
     time_link,
     time_optimizer,
     time_window,
@@ -65,7 +69,7 @@ from lightning_hetero.topology import Role, gather_object_to, threads_for, usabl
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["WorkloadAnalyzer"]
+__all__ = ["WorkloadAnalyzer", "profile_encoders"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,8 @@ class WorkloadAnalyzer(L.Callback):
         """The training DataLoader's time per batch by worker processes, and the split of the cores
         between loading and compute chosen from it (``loading.py``)."""
         self.measured_step_s: Optional[float] = None
+        self.placement: Optional[tuple[EncoderProfile, dict[str, float], PlacementPrediction]] = None
+        """A multimodal model's encoder costs, each place's samples of a batch, and the placement chosen."""
         self._workers_next_epoch: Optional[int] = None
         self._calibrated = False
         self._steps: list[float] = []
@@ -146,14 +152,41 @@ class WorkloadAnalyzer(L.Callback):
         if strategy is None or stage != TrainerFn.FITTING:
             return
         self._planned = False
-        if strategy.plan.parallelism == "replicas" and not offers_blocks(pl_module):
+        blocks = strategy.plan.parallelism != "replicas" or offers_blocks(pl_module)
+        encoders = offers_modalities(pl_module) and (strategy.plan.parallelism == "replicas" or len(strategy.plan.stages) == 1)
+        if not blocks and not encoders:
             rank_zero_warn(
                 "WorkloadAnalyzer profiles a model block by block (`pipeline_layers()`), and this one offers none: it"
                 " trains as its layout sets (with `cpu_fraction='auto'` the rebalancer finds the CPU's share)."
             )
             self._planned = True  # nothing to plan
             return
-        strategy.plan_with(self.plan_layout)
+        strategy.plan_with(partial(self._plan_run, blocks=blocks, encoders=encoders))
+
+    def _plan_run(
+        self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module], blocks: bool, encoders: bool
+    ) -> HeteroPlan:
+        """The layout of a model that offers blocks (``plan_layout``), then the place of a multimodal
+        model's encoders (``place_encoders``), on every rank (collective)."""
+        self.placement = None
+        if blocks:
+            plan = replace(self.plan_layout(trainer, strategy, layers), encoders=strategy.plan.encoders)
+        else:
+            self.prediction = self.profile = self.measured_step_s = None
+            self._planned, plan = True, strategy.plan
+        self.plan = self.place_encoders(trainer, strategy, plan) if encoders else plan
+        return self.plan
+
+    def place_encoders(self, trainer: L.Trainer, strategy: "HeteroStrategy", plan: HeteroPlan) -> HeteroPlan:
+        """Time a multimodal model's encoders and the rest of its step on every rank, one at a time, and
+        the link between two ranks; place the encoders where the step is shortest (rank 0,
+        ``encoder_planner.best_placement``) at the plan's CPU fraction; ``plan`` with that placement on
+        every rank (collective)."""
+        profile = profile_encoders(trainer, strategy, self.repeats)
+        topology = strategy.topology
+        samples = samples_by_place(profile.batch_size, plan.cpu_fraction, topology.cpu_workers, topology.num_stages)
+        self.placement = (profile, samples, best_placement(profile.costs(), samples, profile.carrying))
+        return replace(plan, encoders=self.placement[2].placement)
 
     def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
         """Profile on every rank, plan on rank 0, and return the plan on every rank (collective)."""
@@ -423,6 +456,8 @@ class WorkloadAnalyzer(L.Callback):
             rank_zero_warn("WorkloadAnalyzer: the model was laid out before this fit, in this process; no plan.")
             self.plan = self.prediction = self.profile = None
             return
+        if self.placement is not None:
+            self._explain_placement(trainer)
         if self.plan is None or self.prediction is None or self.profile is None:
             return
         for logger in trainer.loggers:
@@ -594,9 +629,28 @@ class WorkloadAnalyzer(L.Callback):
 
     def explanation(self) -> str:
         """Per layer: its time on each device and where it was placed; the predicted step time, and
-        the measured one once training has run."""
+        the measured one once training has run; a multimodal model's encoders and their placement."""
         assert self.profile is not None and self.plan is not None and self.prediction is not None
-        return explain(self.profile, self.plan, self.prediction, self.measured_step_s, self.alternative, self.loading)
+        text = explain(self.profile, self.plan, self.prediction, self.measured_step_s, self.alternative, self.loading)
+        if self.placement is not None:
+            text += "\n\n" + explain_placement(*self.placement[:2])
+        return text
+
+    def _explain_placement(self, trainer: L.Trainer) -> None:
+        """Write ``encoders.json`` (the encoders' profile, for ``hetero-plan``), and where the model offers
+        no blocks, ``plan.yaml`` and ``explain.txt`` with the placement alone."""
+        assert self.placement is not None and self.plan is not None
+        directory = self._directory(trainer)  # every rank: a collective
+        if not trainer.is_global_zero:
+            return
+        profile, samples, chosen = self.placement
+        profile.save(directory / "encoders.json")
+        if self.prediction is None:
+            self.plan.save(directory / "plan.yaml")
+            table = explain_placement(profile, samples)
+            (directory / "explain.txt").write_text(table + "\n")
+            placed = ", ".join(f"{m} on {w}" for m, w in chosen.placement.items()) or "every encoder split"
+            rank_zero_info(f"WorkloadAnalyzer placed the encoders: {placed} (also in {directory}):\n{table}")
 
     def _directory(self, trainer: L.Trainer) -> Path:
         """Where the plan goes; a collective (``trainer.log_dir``): call it on every rank."""
@@ -604,6 +658,32 @@ class WorkloadAnalyzer(L.Callback):
         if trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+
+def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: int) -> EncoderProfile:
+    """A multimodal model's encoders and the rest of its step timed on every rank, one at a time, on
+    the first training batch (``profiling.time_encoders``), and the link between ranks; the same
+    ``EncoderProfile`` on every rank (collective)."""
+    module = trainer.lightning_module
+    batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
+    control = strategy.process_groups.control  # type: ignore[union-attr]
+    role = strategy.role
+    place = f"cpu{role.index}" if role.is_cpu_worker else f"device{role.index}"
+    for turn in range(dist.get_world_size(control)):
+        if turn == strategy.global_rank:
+            times = time_encoders(module, batch, strategy.root_device, repeats)
+        dist.barrier(group=control)
+    link = time_link(all_reduce_over(control), torch.device("cpu"), repeats=repeats)
+    parts = gather_object_to((place, times, link), 0, control)
+    result: list[Any] = [None]
+    if strategy.global_rank == 0:
+        assert parts is not None
+        profile = EncoderProfile(batch_size_of(batch), {}, parts[0][2])
+        for name, timed, _ in parts:
+            profile.places.setdefault(name, timed)  # the first node's
+        result = [profile]
+    dist.broadcast_object_list(result, src=0, group=control)
+    return result[0]
 
 
 def profile_role(role: Role) -> str:

@@ -50,7 +50,7 @@ from lightning_hetero.strategy import hetero_strategy
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["UtilizationMonitor", "device_fractions", "chrome_trace", "utilization_image"]
+__all__ = ["UtilizationMonitor", "device_fractions", "encoder_shares", "chrome_trace", "utilization_image"]
 
 _COLORS = {"busy": (46, 160, 67), "comm": (31, 119, 180), "idle": (200, 200, 200)}
 
@@ -59,6 +59,20 @@ def device_fractions(records: Sequence[StepRecord]) -> dict[str, float]:
     """One rank's busy / comm / idle fractions of the wall time of ``records`` (they sum to 1),
     the parts of idle, and its samples per second (``DeviceTotals.shares``)."""
     return DeviceTotals.of(records).shares()
+
+
+def encoder_shares(records: Sequence[StepRecord]) -> dict[str, float]:
+    """One rank's share of the wall time of ``records`` spent on a multimodal model's placed encoders
+    (``encoder_<modality>``: computing one for the other workers) and waiting for one placed elsewhere
+    (``encoder_wait``); empty where there are none."""
+    wall = sum(r.total for r in records)
+    shares: dict[str, float] = {}
+    for record in records:
+        for kind, start, end in record.spans:
+            if kind.startswith("encoder") and wall > 0:
+                key = kind.replace(" ", "_")
+                shares[key] = shares.get(key, 0.0) + (end - start) / wall
+    return shares
 
 
 def utilization_image(fractions: dict[str, dict[str, float]], width: int = 400, row: int = 24) -> np.ndarray:
@@ -82,6 +96,7 @@ _TRACE_NAMES = {
     "optimizer": "optimizer step",
     "wait": "wait for the other workers",
     "data": "data and loop",
+    "encoder wait": "wait for an encoder placed elsewhere",
 }
 
 
@@ -274,7 +289,8 @@ class UtilizationMonitor(L.Callback):
         records = strategy.step_records[-count:]
         # Each rank summarizes its own steps; only the numbers travel.
         samples = sum(r.samples for r in records)
-        mine = (device_fractions(records), device_stats(strategy.root_device, meter="monitor"), samples)
+        fractions = {**device_fractions(records), **encoder_shares(records)}
+        mine = (fractions, device_stats(strategy.root_device, meter="monitor"), samples)
         gathered = strategy.gather(mine, dst=0)
         if trainer.is_global_zero:
             with _warn_on_error("log utilization"):

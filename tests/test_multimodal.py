@@ -1,0 +1,226 @@
+"""Multimodal models: each modality's encoder computed on the process it is placed on, for every
+worker's share, while the others compute theirs; the model is the one a single process trains
+(float64, 1e-10), whatever the placement, in coarse and fine mode, when the placement changes
+mid-run, across a resume, and with samples that lack a modality."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_hetero import HeteroPlan, HeteroStrategy
+from tests.conftest import hetero, max_param_diff, trainer
+from tests.models import Multimodal, TwoPass, multimodal_data
+from tests.test_replicas import assert_same_run
+
+TOL = 1e-10
+
+
+def same_run(tmp_path: Path, strategy: HeteroStrategy, data: Any = multimodal_data, **kwargs: Any) -> None:
+    assert_same_run(tmp_path, strategy, Multimodal, data, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3),
+        dict(encoders={"image": "device1", "text": "device0"}, cpu_fraction=0.3),
+        dict(encoders={"image": "cpu0"}, cpu_fraction=0.0),
+        dict(encoders={"text": "cpu1"}, cpu_workers=2, stages=["cpu"], cpu_fraction=0.5),
+        dict(encoders={"image": "device0", "text": "cpu"}, stages=["cpu"], cpu_fraction=0.0),
+        dict(cpu_fraction=0.3),
+    ],
+    ids=["image-on-device-text-on-cpu", "each-on-a-device", "cpu-without-a-share", "second-cpu-worker", "one-stage", "split"],
+)
+def test_placed_encoders_train_the_one_process_model(tmp_path: Path, layout: dict) -> None:
+    same_run(tmp_path, hetero(**layout))
+
+
+class CountEncoded(L.Callback):
+    """Each rank writes how many images and texts its copy of each encoder encoded."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        counts = {"image": pl_module.image.samples, "text": pl_module.text.samples}
+        torch.save(counts, self.out_dir / f"encoded{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+def test_each_encoder_runs_where_it_is_placed(tmp_path: Path, cpu_fraction: float) -> None:
+    """Images are encoded on the first device's process only, texts on the CPU worker only, split
+    encoders where each share is computed: every sample once."""
+    steps, encoders = 4, {"image": "device0", "text": "cpu0"}
+    t = trainer(hetero(encoders=encoders, cpu_fraction=cpu_fraction), max_steps=steps, callbacks=[CountEncoded(tmp_path)])
+    t.fit(Multimodal(), multimodal_data())
+    encoded = [torch.load(tmp_path / f"encoded{rank}.pt") for rank in range(3)]  # cpu0, device0, device1
+    batches = list(multimodal_data())[:steps]
+    images, texts = (sum(int(b[key].sum()) for b in batches) for key in ("has_image", "has_text"))
+    assert [e["image"] for e in encoded] == [0, images, 0]
+    assert [e["text"] for e in encoded] == [texts, 0, 0]
+
+
+@pytest.mark.parametrize("offload", ["none", "all"])
+def test_placed_encoders_in_fine_mode(tmp_path: Path, offload: str) -> None:
+    """Fine mode counts each encoder parameter's gradients where they arrive: every share's on its
+    host, none where it runs elsewhere (small buckets: several per encoder)."""
+    strategy = hetero(mode="fine", offload=offload, bucket_size_mb=0.001, encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3)
+    same_run(tmp_path, strategy)
+
+
+def test_placed_encoders_accumulate_and_clip_as_one_process(tmp_path: Path) -> None:
+    strategy = hetero(encoders={"image": "cpu0", "text": "device1"}, cpu_fraction=0.3)
+    same_run(tmp_path, strategy, accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+
+def test_a_modality_missing_from_whole_batches(tmp_path: Path) -> None:
+    """From the second batch on no sample has an image: the image encoder's host computes nothing,
+    and its parameters receive no gradient."""
+    data = partial(multimodal_data, text_only_from=12)
+    same_run(tmp_path, hetero(encoders={"image": "cpu0", "text": "device1"}, cpu_fraction=0.3), data)
+    same_run(tmp_path / "fine", hetero(mode="fine", encoders={"image": "cpu0"}, cpu_fraction=0.3), data)
+
+
+class Replace(L.Callback):
+    """Places the encoders so from batch ``at`` on, on every rank."""
+
+    def __init__(self, at: int, placement: dict[str, str]) -> None:
+        self.at, self.placement = at, placement
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.at and isinstance(trainer.strategy, HeteroStrategy):
+            trainer.strategy.set_encoder_placement(self.placement)
+            assert trainer.strategy.encoder_placement == self.placement
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_placement_changes_mid_run(tmp_path: Path, mode: str) -> None:
+    strategy = hetero(mode=mode, encoders={"image": "cpu0"}, cpu_fraction=0.3)
+    same_run(tmp_path, strategy, callbacks=[Replace(3, {"image": "device0", "text": "cpu0"}), Replace(5, {})])
+
+
+def test_resume_with_placed_encoders(tmp_path: Path) -> None:
+    """A run with placed encoders saves an ordinary checkpoint, which a run with another placement resumes."""
+
+    def fit(strategy: Any, steps: int, ckpt: Path | None = None, save: bool = False) -> L.LightningModule:
+        model = Multimodal().double()  # a checkpoint loads before the precision plugin converts the model
+        saving = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        trainer(strategy, max_steps=steps, callbacks=[saving] if save else [], enable_checkpointing=save).fit(
+            model, multimodal_data(), ckpt_path=ckpt
+        )
+        return model
+
+    fit(hetero(encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3), 3, save=True)
+    checkpoint = tmp_path / "ckpt" / "step=3.ckpt"
+    resumed = fit(hetero(encoders={"text": "device1"}, cpu_fraction=0.5), 8, ckpt=checkpoint)
+    assert max_param_diff(fit(None, 8, ckpt=checkpoint), resumed) < TOL
+
+
+def test_the_placement_is_part_of_the_plan(tmp_path: Path) -> None:
+    strategy = HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "device", "text": "cpu"})
+    assert strategy.plan.encoders == {"image": "device0", "text": "cpu0"}
+    named = HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "replica1", "text": "stage0"})  # as the logs name them
+    assert named.plan.encoders == {"image": "device1", "text": "device0"}
+    path = strategy.plan.save(tmp_path / "plan.yaml")
+    assert HeteroPlan.load(path).encoders == {"image": "device0", "text": "cpu0"}
+    assert "image: device0" in strategy.plan.table()
+    assert HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "split"}).plan.encoders == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "model", "message"),
+    [
+        (dict(encoders={"image": "gpu"}), Multimodal, "is not a place"),
+        (dict(encoders=["image"]), Multimodal, "must map modality names"),
+        (dict(encoders={"audio": "cpu0"}), Multimodal, "has encoders \\['image', 'text'\\] only"),
+        (dict(encoders={"image": "cpu1"}), Multimodal, "has 1 CPU worker process"),
+        (dict(encoders={"image": "device2"}), Multimodal, "has 2 device process"),
+        (dict(encoders={"image": "cpu0"}, cpu_workers=0), Multimodal, "has no CPU worker"),
+        (dict(encoders={"image": "cpu0"}), TwoPass, "names none"),
+        (dict(encoders={"image": "cpu0"}), partial(Multimodal, norm=True), "BatchNorm2d with running statistics"),
+    ],
+    ids=["bad-place", "not-a-mapping", "unknown-modality", "no-such-cpu-worker", "no-such-device", "no-cpu-workers", "not-multimodal", "batch-norm"],
+)
+def test_a_placement_that_cannot_run_is_refused_before_any_process_starts(
+    tmp_path: Path, no_processes: None, kwargs: dict, model: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        trainer(hetero(**kwargs), max_steps=1).fit(model(), multimodal_data())
+
+
+def test_a_pipeline_of_several_stages_keeps_its_encoders_split(no_processes: None) -> None:
+    from tests.models import Net
+
+    class Blocks(Multimodal):
+        def pipeline_layers(self) -> list:
+            return [self.image, self.text, self.backbone]
+
+        def pipeline_loss(self, output: Any, target: Any) -> Any:
+            return torch.nn.functional.mse_loss(output, target)
+
+    assert Net  # the contract's pipeline model for comparison
+    with pytest.raises(ValueError, match="cuts the model into 2 stages"):
+        HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "cpu0"}).check_model(Blocks())
+
+
+class CallsWithOtherInput(Multimodal):
+    def forward(self, batch: dict) -> torch.Tensor:
+        features = {"image": self.image(batch["image"]), "text": self.text(batch["tokens"])}  # every sample's
+        fused = features["image"] * batch["has_image"][:, None] + features["text"] * batch["has_text"][:, None]
+        return self.backbone(fused).squeeze(1)
+
+
+def test_an_encoder_called_on_another_input_than_its_modality_inputs_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="with another input than `modality_inputs"):
+        trainer(hetero(encoders={"image": "cpu0"}, cpu_fraction=0.3), max_steps=2).fit(CallsWithOtherInput(), multimodal_data())
+
+
+def test_the_analyzer_places_the_encoders_where_its_measurements_say(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """It times each encoder and the rest of the step on every process, places the encoders as the
+    cost model says for those measurements, explains it, and the run stays the one-process model."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+    from lightning_hetero.encoder_planner import EncoderProfile, best_placement, samples_by_place
+    from lightning_hetero.planner import main as planner_main
+
+    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1, save_dir=str(tmp_path / "plans"))
+    same_run(tmp_path, hetero(cpu_fraction=0.3), callbacks=[analyzer])
+    profile = EncoderProfile.load(tmp_path / "plans" / "encoders.json")
+    assert set(profile.places) == {"cpu0", "device0", "device1"} and set(profile.carrying) == {"image", "text"}
+    assert all(t.forward["image"] > 0 and t.backward["image"] >= 0 and t.rest >= 0 for t in profile.places.values())
+    samples = samples_by_place(12, 0.3, 1, 2)
+    chosen = best_placement(profile.costs(), samples, profile.carrying).placement
+    assert HeteroPlan.load(tmp_path / "plans" / "plan.yaml").encoders == chosen
+    explained = (tmp_path / "plans" / "explain.txt").read_text()
+    assert "Encoders: forward + backward per sample" in explained and "every encoder split" in explained
+    # What if: one device 20 times as fast as the profiled one and a CPU worker with no share.
+    planner_main([str(tmp_path / "plans" / "encoders.json"), "--gpus", "1", "--gpu-speed", "20", "--cpu-workers", "1"])
+    printed = capsys.readouterr().out
+    expected = best_placement(profile.on(1, 20.0, 1).costs(), {"cpu0": 0.0, "device0": 12.0}, profile.carrying)
+    assert f"HeteroStrategy(encoders={expected.placement})" in printed and "device0 12" in printed
+
+
+def test_the_monitor_shows_each_encoders_time_and_the_waits_it_caused(tmp_path: Path) -> None:
+    """With the images encoded on the first device for everyone: its time on them is logged and drawn in
+    the trace, and so is the others' wait for them; a wait is no compute."""
+    import json
+
+    from lightning_hetero.callbacks import UtilizationMonitor
+    from tests.models import read_metrics
+
+    speeds = {"image@device": 400.0}  # 2.5 ms per image: the others wait for them
+    monitor = UtilizationMonitor(every_n_steps=2, trace_steps=4, save_dir=str(tmp_path), summary=False)
+    strategy = hetero(encoders={"image": "device0"}, cpu_fraction=0.3, emulated_speed=speeds)
+    trainer(strategy, tmp_path / "logs", max_steps=4, callbacks=[monitor]).fit(Multimodal(), multimodal_data())
+    logged = [row for row in read_metrics(tmp_path / "logs") if "util/cpu0/busy" in row][-1]
+    assert logged["util/replica0/encoder_image"] > 0.1 and "util/cpu0/encoder_image" not in logged
+    assert logged["util/cpu0/encoder_wait"] > 0.05 and logged["util/replica1/encoder_wait"] > 0.05
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
+    assert (1, "encoder image") in names and (0, "wait for an encoder placed elsewhere") in names
