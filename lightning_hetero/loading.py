@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from lightning_hetero.data import with_workers
 
 __all__ = [
+    "peek_batches",
     "LoaderTimes",
     "CoreSplit",
     "LoadBalancer",
@@ -101,6 +102,27 @@ class LoaderTimes:
 
     def rows(self) -> list[str]:
         return [f"  {w} worker(s): {s * 1e3:9.2f} ms per batch" for w, s in zip(self.workers, self.seconds)]
+
+
+def peek_batches(loader: Any, count: int) -> list[Any]:
+    """The first ``count`` batches of ``loader``'s dataset in order, read in this process, changing
+    nothing the training run sees (as ``measure_loader`` reads: no sampler's generator advances, every
+    random generator is put back); ``[]`` for what is not a DataLoader."""
+    if not isinstance(loader, DataLoader):
+        return []
+    probe = loader
+    if not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None:
+        probe = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    states = _collect_rng_states(include_cuda=False)
+    try:
+        batches = []
+        for batch in with_workers(probe, 0):
+            batches.append(batch)
+            if len(batches) >= count:
+                break
+        return batches
+    finally:
+        _set_rng_states(states)
 
 
 def measure_loader(

@@ -64,6 +64,7 @@ __all__ = [
     "check_encoder_placement",
     "EncoderExchange",
     "EncoderPacing",
+    "carrying",
 ]
 
 SPLIT = "split"
@@ -125,6 +126,14 @@ def modality_encoders(model: nn.Module) -> dict[str, nn.Module]:
                 )
             owners[id(p)] = modality
     return dict(encoders)
+
+
+def carrying(model: nn.Module, batch: Any) -> dict[str, float]:
+    """The fraction of ``batch``'s samples that carry each of the model's modalities (``modality_inputs``)."""
+    from lightning_hetero.shares import batch_size_of
+
+    size, inputs = batch_size_of(batch), model.modality_inputs(batch)  # type: ignore[operator]
+    return {m: batch_size_of(inputs[m]) / size if inputs.get(m) is not None else 0.0 for m in modality_encoders(model)}
 
 
 def check_placement(encoders: Optional[Mapping[str, str]]) -> dict[str, str]:

@@ -23,8 +23,10 @@ def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = {line[0].lstrip("| ") for line in lines}
-    assert names == {"overhead", "pipeline overhead", "hetero vs Lightning", "CPU optimizer", "rebalancer", "loading", "CUDA"}
-    assert len(BENCHMARKS) == 7
+    assert names == {
+        "overhead", "pipeline overhead", "hetero vs Lightning", "CPU optimizer", "rebalancer", "loading", "multimodal", "CUDA"
+    }  # fmt: skip
+    assert len(BENCHMARKS) == 8
     for benchmark, _, value, *_ in lines:
         if benchmark.lstrip("| ") == "CUDA":
             assert value == "n/a"  # no CUDA device here: reported, not measured (or not written yet)

@@ -32,9 +32,10 @@ from typing_extensions import override
 
 from lightning_hetero.data import training_loader
 from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction, best_placement, explain_placement, samples_by_place
-from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, split_cores, tunable
+from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
+from lightning_hetero.loading import tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
-from lightning_hetero.multimodal import offers_modalities
+from lightning_hetero.multimodal import carrying, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -660,12 +661,14 @@ class WorkloadAnalyzer(L.Callback):
         return directory
 
 
-def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: int) -> EncoderProfile:
+def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: int, mix_batches: int = 8) -> EncoderProfile:
     """A multimodal model's encoders and the rest of its step timed on every rank, one at a time, on
-    the first training batch (``profiling.time_encoders``), and the link between ranks; the same
-    ``EncoderProfile`` on every rank (collective)."""
+    the first training batch (``profiling.time_encoders``), and the link between ranks; the mix of
+    modalities from the first ``mix_batches`` batches; the same ``EncoderProfile`` on every rank
+    (collective)."""
     module = trainer.lightning_module
-    batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
+    loader = training_loader(trainer)
+    batch = strategy.precision_plugin.convert_input(next(iter(loader)))
     control = strategy.process_groups.control  # type: ignore[union-attr]
     role = strategy.role
     place = f"cpu{role.index}" if role.is_cpu_worker else f"device{role.index}"
@@ -679,8 +682,11 @@ def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: in
     if strategy.global_rank == 0:
         assert parts is not None
         profile = EncoderProfile(batch_size_of(batch), {}, parts[0][2])
+        # The mix of modalities from more than one batch: a single batch's can be far from the data's.
+        mixes = [carrying(module, b) for b in peek_batches(loader, mix_batches)] or [carrying(module, batch)]
+        mix = {m: statistics.mean(found[m] for found in mixes) for m in mixes[0]}
         for name, timed, _ in parts:
-            profile.places.setdefault(name, timed)  # the first node's
+            profile.places.setdefault(name, replace(timed, carrying=mix))  # the first node's
         result = [profile]
     dist.broadcast_object_list(result, src=0, group=control)
     return result[0]

@@ -15,7 +15,9 @@ from the next batch:
   window, the current window's measured step kept as its baseline;
 - *keep* / *undo*: after the try, the placement stays if its measured step beat the baseline, and
   the previous one comes back if not (that placement is then not tried again for 3, 6, 12, ...
-  decisions): a move is kept only where it measured faster than where it came from;
+  decisions): a move is kept only where it measured faster than where it came from. Where the mix
+  moved during the try, the baseline is scaled as the cost model says the previous placement's step
+  moved from the mix of the baseline's batches to that of the try's;
 - *hold*: nothing to gain.
 
 The steps right after a change (``warmup_steps``) are not measured. Every decision is logged under
@@ -35,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hetero.encoder_planner import EncoderProfile, best_placement, predict_placement, samples_by_place
-from lightning_hetero.multimodal import modality_encoders
+from lightning_hetero.multimodal import carrying
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
 
@@ -64,21 +66,36 @@ class MixFollower:
     failures: dict[str, int] = field(default_factory=dict)
     decisions: int = 0
 
+    window: dict[str, float] = field(default_factory=dict)
+    """Each modality's share of the samples of the batches since the last decision, summed."""
+    batches: int = 0
+
     def observe(self, carrying: dict[str, float]) -> None:
         """A batch's share of samples carrying each modality."""
         for modality in self.profile.costs().modalities:
             seen = carrying.get(modality, 0.0)
             last = self.mix.get(modality)
             self.mix[modality] = seen if last is None else self.smoothing * seen + (1 - self.smoothing) * last
+            self.window[modality] = self.window.get(modality, 0.0) + seen
+        self.batches += 1
+
+    def _window_mix(self) -> dict[str, float]:
+        """The mix of the batches since the last decision (that of the step times it is given)."""
+        mix = {m: total / self.batches for m, total in self.window.items()} if self.batches else dict(self.mix)
+        self.window, self.batches = {}, 0
+        return mix
 
     def decide(self, step_s: float, samples: dict[str, float]) -> tuple[str, Optional[float]]:
         """The reason of this decision and the step predicted for the placement it leaves; ``placement``
         is the one to run from the next batch."""
         self.decisions += 1
-        costs = self.profile.costs()
+        costs, measured = self.profile.costs(), self._window_mix()
         if self.trying is not None:
             trying, self.trying = self.trying, None
-            if step_s < trying["baseline_s"]:
+            # The baseline was measured at the mix of its window: as it would be at this one's.
+            before = predict_placement(costs, samples, trying["mix"], trying["previous"]).step_s
+            now = predict_placement(costs, samples, measured, trying["previous"]).step_s
+            if step_s < trying["baseline_s"] * (now / before if before > 0 else 1.0):
                 return "keep", predict_placement(costs, samples, self.mix, self.placement).step_s
             key = _key(self.placement)
             self.failures[key] = self.failures.get(key, 0) + 1
@@ -89,14 +106,14 @@ class MixFollower:
         best = best_placement(costs, samples, self.mix)
         refused = self.refused.get(_key(best.placement), 0) > self.decisions
         if best.placement != self.placement and best.step_s < current.step_s * (1 - self.min_gain) and not refused:
-            self.trying = {"previous": dict(self.placement), "baseline_s": step_s}
+            self.trying = {"previous": dict(self.placement), "baseline_s": step_s, "mix": measured}
             self.placement = dict(best.placement)
             return "try", best.step_s
         return "hold", current.step_s
 
     def state_dict(self) -> dict[str, Any]:
         """The decision state (not the profile or the settings)."""
-        fields = ("placement", "mix", "trying", "refused", "failures", "decisions")
+        fields = ("placement", "mix", "trying", "refused", "failures", "decisions", "window", "batches")
         return {name: copy.deepcopy(getattr(self, name)) for name in fields}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -241,13 +258,6 @@ class MixRebalancer(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict) if state_dict else None
-
-
-def carrying(module: Any, batch: Any) -> dict[str, float]:
-    """The fraction of ``batch``'s samples carrying each of the model's modalities (``modality_inputs``)."""
-    size = batch_size_of(batch)
-    inputs = module.modality_inputs(batch)
-    return {m: batch_size_of(inputs[m]) / size if inputs.get(m) is not None else 0.0 for m in modality_encoders(module)}
 
 
 def _analyzer_profile(trainer: L.Trainer) -> Optional[EncoderProfile]:
