@@ -41,6 +41,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Generator, Optional
@@ -53,7 +54,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten
 
 from lightning_hetero.record import StepClock, span
-from lightning_hetero.shares import Shares, slice_batch
+from lightning_hetero.shares import Shares, batch_size_of, slice_batch
 
 __all__ = [
     "MultimodalModule",
@@ -62,9 +63,11 @@ __all__ = [
     "offers_modalities",
     "check_placement",
     "check_encoder_placement",
+    "encoder_stages",
     "EncoderExchange",
     "EncoderPacing",
     "carrying",
+    "micro_batch",
 ]
 
 SPLIT = "split"
@@ -130,8 +133,6 @@ def modality_encoders(model: nn.Module) -> dict[str, nn.Module]:
 
 def carrying(model: nn.Module, batch: Any) -> dict[str, float]:
     """The fraction of ``batch``'s samples that carry each of the model's modalities (``modality_inputs``)."""
-    from lightning_hetero.shares import batch_size_of
-
     size, inputs = batch_size_of(batch), model.modality_inputs(batch)  # type: ignore[operator]
     return {m: batch_size_of(inputs[m]) / size if inputs.get(m) is not None else 0.0 for m in modality_encoders(model)}
 
@@ -175,16 +176,16 @@ def check_encoder_placement(
             f"`encoders={dict(placement)}` places encoders, but `{name}` names none: give it"
             " `modality_encoders()` and `modality_inputs(batch)` (see `lightning_hetero.MultimodalModule`)."
         )
-    if not replicas and devices > 1:
-        raise ValueError(
-            f"`encoders={dict(placement)}`: encoders are placed between processes that hold the whole model (CPU"
-            f" workers, device replicas, a single stage); this layout cuts the model into {devices} stages. Use"
-            " `parallelism='replicas'`, one stage, or leave the encoders 'split'."
-        )
     for modality, host in placement.items():
         if modality not in encoders:
             raise ValueError(f"`encoders` places {modality!r}, but `{name}` has encoders {sorted(encoders)} only.")
         kind, index = _HOST.match(host).groups()  # type: ignore[union-attr]  (checked: cpuN or deviceN)
+        if kind == "device" and not replicas and devices > 1:
+            raise ValueError(
+                f"`encoders[{modality!r}]={host!r}`: this layout cuts the model into {devices} pipeline stages, and a"
+                " stage holds only its own blocks; place an encoder on a CPU worker ('cpu0'), which holds the whole"
+                " model, or use `parallelism='replicas'`."
+            )
         count = cpu_workers if kind == "cpu" else devices
         if int(index) >= count:
             raise ValueError(
@@ -198,6 +199,35 @@ def check_encoder_placement(
                 f"Encoder {modality!r} has {stats[0]} with running statistics, which would be updated once per share"
                 " on the process it is placed on; leave it 'split' or use `track_running_stats=False`."
             )
+
+
+def encoder_stages(
+    model: nn.Module,
+    placement: Mapping[str, str],
+    layers: Sequence[nn.Module],
+    bounds: Sequence[tuple[int, int]],
+    strict: bool = True,
+) -> dict[str, int]:
+    """The pipeline stage whose blocks hold each placed encoder (the one that calls it); raise where an
+    encoder's parameters are not all in one stage's blocks (``strict``; otherwise leave it out)."""
+    encoders = modality_encoders(model)
+    found = {}
+    for modality in placement:
+        params = {id(p) for p in encoders[modality].parameters()}
+        stages = [
+            s for s, (start, stop) in enumerate(bounds)
+            if params & {id(p) for layer in layers[start:stop] for p in layer.parameters()}
+        ]  # fmt: skip
+        if len(stages) != 1 and not strict:
+            continue
+        if len(stages) != 1:
+            where = f"stages {stages}" if stages else "no stage's blocks"
+            raise ValueError(
+                f"Encoder {modality!r} of `{type(model).__name__}` is in {where}: a placed encoder must be inside the"
+                " blocks of one pipeline stage (which calls it). Cut the stages elsewhere, or leave it 'split'."
+            )
+        found[modality] = stages[0]
+    return found
 
 
 @dataclass
@@ -217,6 +247,8 @@ class _Received:
     rank: int
     tag: int
     leaf: Optional[Tensor] = None
+    offset: int = 0
+    """The rows of ``leaf`` the step has used so far."""
 
 
 class EncoderExchange:
@@ -229,6 +261,8 @@ class EncoderExchange:
         ranges: each worker of this node that computes training samples: its place, and its samples
             of a batch given the step's ``Shares``.
         me: this rank's place.
+        consumes: the modalities each place calls the encoder of, where not all (a pipeline stage calls
+            only the encoders in its blocks).
         group: the node's ranks, on gloo, for these sends and receives alone.
         device: this rank's device.
     """
@@ -241,6 +275,7 @@ class EncoderExchange:
         me: str,
         group: dist.ProcessGroup,
         device: torch.device,
+        consumes: Optional[Mapping[str, set[str]]] = None,
     ) -> None:
         self.module = module
         self.encoders = modality_encoders(module)
@@ -255,6 +290,8 @@ class EncoderExchange:
         self._received: list[_Received] = []
         self._sent: list[Any] = []
         self._clock: Optional[StepClock] = None
+        self._consumes = dict(consumes or {})
+        self._pipelined = False
 
     def set_placement(self, placement: Mapping[str, str]) -> None:
         """Place the encoders so from the next training batch on (every rank alike)."""
@@ -286,8 +323,12 @@ class EncoderExchange:
             if place == self.me or start == stop:
                 continue
             inputs = self._inputs(slice_batch(batch, start, stop))
-            work += [(m, place, self._hosts[place], inputs[m]) for m in hosted if m in inputs]
+            work += [(m, place, self._hosts[place], inputs[m]) for m in hosted if m in inputs and self._calls(place, m)]
         return work
+
+    def _calls(self, place: str, modality: str) -> bool:
+        """Whether the worker at ``place`` calls the encoder of ``modality`` in its step."""
+        return place not in self._consumes or modality in self._consumes[place]
 
     def extra_arrivals(self, batch: Any, shares: Shares, own: int) -> dict[nn.Parameter, int]:
         """Gradients each encoder parameter receives in this step's backward where that differs from
@@ -325,10 +366,15 @@ class EncoderExchange:
             self._hosted.append(_Hosted(rank, tag + 1, output, modality))
 
     @contextmanager
-    def receiving(self, share: Any) -> Generator[None, None, None]:
+    def receiving(self, share: Any, clock: Optional[StepClock] = None, pipelined: bool = False) -> Generator[None, None, None]:
         """Step 2, around this rank's own step on ``share``: each encoder placed elsewhere answers with
-        the output its host sent for this share."""
-        remote = {m: host for m, host in self.placement.items() if host != self.me}
+        the output its host sent for this share. ``pipelined``: a pipeline stage's, which calls it once per
+        micro-batch, each with its rows in turn, inside ``micro_batch()``; a call outside one (the stage
+        inferring its shapes) gets rows of zeros of the same shape."""
+        self._pipelined = pipelined
+        remote = {m: host for m, host in self.placement.items() if host != self.me and self._calls(self.me, m)}
+        if clock is not None:
+            self._clock = clock
         if not remote:
             yield
             return
@@ -347,7 +393,11 @@ class EncoderExchange:
                 del self.encoders[modality].forward
 
     def _answer(self, modality: str, expected: Any, received: _Received) -> Callable[..., Tensor]:
+        """The placed encoder's ``forward`` on this rank: the rows of the output its host sent, in the
+        order they are asked for (the whole share at once, or a pipeline's micro-batches in turn); a
+        call on meta tensors (a pipeline stage inferring its shapes) gets meta rows of the same shape."""
         model = type(self.module).__name__
+        rows = batch_size_of(expected) if expected is not None else 0
 
         def forward(*args: Any, **kwargs: Any) -> Tensor:
             if expected is None:
@@ -355,16 +405,23 @@ class EncoderExchange:
                     f"`{model}` called encoder {modality!r} on a share of the batch for which `modality_inputs` gives"
                     f" no {modality!r} input; call each encoder only on the inputs `modality_inputs(batch)` gives."
                 )
-            if received.leaf is not None:
-                raise RuntimeError(f"`{model}` called encoder {modality!r} twice in one step; call each encoder once.")
-            if kwargs or len(args) != 1 or not _same(args[0], expected):
+            given = args[0] if len(args) == 1 and not kwargs else None
+            count = batch_size_of(given) if given is not None else -1
+            if received.leaf is None:
+                received.leaf = self._receive(received).requires_grad_()
+            start = received.offset
+            if _on_meta(given) or (self._pipelined and not _IN_MICRO_BATCH.get()):
+                rows_of = received.leaf[start : start + count].detach()
+                return torch.zeros_like(rows_of, device=rows_of.device if not _on_meta(given) else "meta").requires_grad_()
+            if count < 0 or start + count > rows or not _same(given, slice_batch(expected, start, start + count)):
                 raise RuntimeError(
                     f"`{model}` called encoder {modality!r} with another input than `modality_inputs(batch)[{modality!r}]`"
-                    " for its batch; the encoder is placed on another process, which computes it on exactly that"
-                    " input. Call it as `encoder(self.modality_inputs(batch)[name])` (or use `self.encode(batch)`)."
+                    " for its batch (or more than once); the encoder is placed on another process, which computes it"
+                    " on exactly that input. Call it once per batch as `encoder(self.modality_inputs(batch)[name])`"
+                    " (or use `self.encode(batch)`)."
                 )
-            received.leaf = self._receive(received).requires_grad_()
-            return received.leaf
+            received.offset += count
+            return received.leaf[start : start + count]
 
         return forward
 
@@ -384,10 +441,10 @@ class EncoderExchange:
             return
         grads = []
         for hosted in self._hosted:
-            grad = torch.empty(hosted.output.shape, dtype=hosted.output.dtype)
+            grad = self._host_buffer(hosted.output.shape, hosted.output.dtype)
             with span(self._clock, "encoder wait"):
                 dist.recv(grad, hosted.rank, group=self._group, tag=hosted.tag)
-            grads.append(grad.to(hosted.output.device))
+            grads.append(grad.to(hosted.output.device, non_blocking=True))
         kinds = {f"encoder {h.modality}" for h in self._hosted}
         with span(self._clock, kinds.pop() if len(kinds) == 1 else "encoders"):
             torch.autograd.backward([h.output for h in self._hosted], grads)
@@ -403,7 +460,7 @@ class EncoderExchange:
         self._hosted, self._received, self._sent = [], [], []
 
     def _send(self, tensor: Tensor, rank: int, tag: int) -> None:
-        self._sent.append(dist.isend(tensor.cpu().contiguous(), rank, group=self._group, tag=tag))
+        self._sent.append(dist.isend(_on_host(tensor), rank, group=self._group, tag=tag))
 
     def _receive(self, received: _Received) -> Tensor:
         """An output sent by its host; the time waiting for it is ``"encoder wait"``."""
@@ -411,9 +468,24 @@ class EncoderExchange:
             header = torch.empty(_HEADER, dtype=torch.int64)
             dist.recv(header, received.rank, group=self._group, tag=received.tag)
             ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-            buffer = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype)
+            buffer = self._host_buffer([int(d) for d in header[2 : 2 + ndim]], dtype)
             dist.recv(buffer, received.rank, group=self._group, tag=received.tag)
-        return buffer.to(self._device)
+        return buffer.to(self._device, non_blocking=True)
+
+    def _host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """Where a message lands: pinned memory where it goes on to a GPU, so the copy runs asynchronously."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self._device.type == "cuda")
+
+
+def _on_host(tensor: Tensor) -> Tensor:
+    """A tensor gloo can send: itself on the CPU; from a GPU, copied to pinned memory (gloo sends CPU
+    tensors only), the copy finished before the send reads it."""
+    if tensor.device.type != "cuda":
+        return tensor.contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host
 
 
 def _header(output: Tensor) -> Tensor:
@@ -422,6 +494,24 @@ def _header(output: Tensor) -> Tensor:
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[: 2 + output.dim()] = torch.tensor([output.dim(), _DTYPES.index(output.dtype), *output.shape])
     return header
+
+
+_IN_MICRO_BATCH: ContextVar[bool] = ContextVar("hetero_in_micro_batch", default=False)
+
+
+@contextmanager
+def micro_batch() -> Generator[None, None, None]:
+    """Marks a pipeline stage's forward of one micro-batch (``pipeline.py``): a placed encoder called in
+    it answers with the micro-batch's rows of its output."""
+    token = _IN_MICRO_BATCH.set(True)
+    try:
+        yield
+    finally:
+        _IN_MICRO_BATCH.reset(token)
+
+
+def _on_meta(value: Any) -> bool:
+    return any(isinstance(x, Tensor) and x.is_meta for x in tree_flatten(value)[0])
 
 
 def _same(given: Any, expected: Any) -> bool:

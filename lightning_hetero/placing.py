@@ -20,7 +20,7 @@ from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy
 from lightning_hetero.module import tied_parameters
-from lightning_hetero.multimodal import EncoderExchange, offers_modalities
+from lightning_hetero.multimodal import EncoderExchange, encoder_stages, modality_encoders, offers_modalities
 from lightning_hetero.pipeline import resolve_schedule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
@@ -59,8 +59,8 @@ def place_rank(
     worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
     if plan.parallelism == "replicas" and has_batch_norm(module):
         worker.norm = replica_norm(module, topology, whole_batch_norm, timeout)
-    if offers_modalities(module) and (topology.replicas or topology.num_stages == 1):
-        worker.encoders = encoder_exchange(module, topology, node_rank, local_rank, device, timeout)
+    if offers_modalities(module):
+        worker.encoders = encoder_exchange(module, topology, placement, node_rank, local_rank, device, timeout)
         worker.encoders.set_placement(plan.encoders)
     return StepEngine(
         worker=worker,
@@ -120,11 +120,17 @@ def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeo
 
 
 def encoder_exchange(
-    module: LightningModule, topology: Topology, node_rank: int, local_rank: int, device: torch.device, timeout: timedelta
+    module: LightningModule,
+    topology: Topology,
+    placement: Placement,
+    node_rank: int,
+    local_rank: int,
+    device: torch.device,
+    timeout: timedelta,
 ) -> EncoderExchange:
     """This rank's part in a multimodal model's placed encoders (``multimodal.py``): every process of its
-    node by place (``cpu0``, ``device1``) and the samples each computes of a batch. Collective: every
-    rank creates every node's group."""
+    node by place (``cpu0``, ``device1``), the samples each computes of a batch, and in a pipeline the
+    encoders each stage calls (those in its blocks). Collective: every rank creates every node's group."""
     cpus, devices = topology.cpu_workers, topology.num_stages
     places = [f"cpu{i}" for i in range(cpus)] + [f"device{j}" for j in range(devices)]
     group = None
@@ -144,4 +150,9 @@ def encoder_exchange(
     ranges = [(f"cpu{i}", partial(cpu, i)) for i in range(cpus)]
     ranges += [(f"device{j}", partial(device_part, j)) for j in range(devices)]
     hosts = dict(zip(places, topology.node_ranks(node_rank)))
-    return EncoderExchange(module, hosts, ranges, places[local_rank], group, device)
+    consumes = None
+    if not topology.replicas and devices > 1:
+        encoders = modality_encoders(module)
+        stages = encoder_stages(module, dict.fromkeys(encoders, ""), placement.layers, placement.bounds, strict=False)
+        consumes = {f"device{s}": {m for m, at in stages.items() if at == s} for s in range(devices)}
+    return EncoderExchange(module, hosts, ranges, places[local_rank], group, device, consumes)

@@ -25,7 +25,7 @@ from torch import nn
 from lightning_hetero.files import atomic_write
 from lightning_hetero.module import check_model_contract, check_replica_contract, layer_names, offers_blocks
 from lightning_hetero.module import tied_parameters
-from lightning_hetero.multimodal import check_encoder_placement, check_placement
+from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.offload import check_offload
 from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
 from lightning_hetero.sync import make_buckets
@@ -170,6 +170,7 @@ class HeteroPlan:
         else:
             layers = check_model_contract(model)
             bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, len(self.stages))
+            encoder_stages(model, self.encoders, layers, bounds)
         if not isinstance(self.offload, str) and self.offload:
             tied = [stages for stages, _ in tied_parameters(layers, bounds)]
             count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20), tied))

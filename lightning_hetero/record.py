@@ -166,9 +166,14 @@ class Recorder:
             return None
         seconds = self.clock.resolve()
         pipeline, stage = seconds.pop("pipeline", None), seconds.pop("stage", 0.0)
-        # Waiting for a placed encoder's output or gradient (``multimodal.py``) is no compute.
+        # Waiting for a placed encoder's output or gradient (``multimodal.py``) is no work: on a stage
+        # it is inside the schedule's time, elsewhere inside the share's compute.
         waited = seconds.get("encoder wait", 0.0)
-        seconds["compute"], seconds["wait"] = seconds.get("compute", 0.0) - waited, seconds.get("wait", 0.0) + waited
+        seconds["wait"] = seconds.get("wait", 0.0) + waited
+        if pipeline is not None:
+            pipeline = max(0.0, pipeline - waited)
+        else:
+            seconds["compute"] = seconds.get("compute", 0.0) - waited
         share = seconds.get("compute", 0.0) + (pipeline or 0.0)
         seconds["compute"] = seconds.get("compute", 0.0) + stage
         seconds["communicate"] = seconds.get("communicate", 0.0) + seconds.get("sync", 0.0)

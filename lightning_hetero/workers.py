@@ -570,11 +570,18 @@ class StageWorker(Worker):
         share = slice_batch(batch, start, stop)
         inputs, targets = pipeline_pair(self.module, share)
         scale = (stop - start) / (shares.batch_size * accumulate * shares.micro_batches)
+        encoders = self.encoders if self.encoders is not None and self.encoders.placement else None
 
         def compute() -> tuple[Any, float]:
             with span(clock, "pipeline"):
                 started = time.perf_counter()
-                result = self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+                # A placed encoder in this stage's blocks answers each micro-batch with its rows of the
+                # output its host computed for the pipeline's share (`multimodal.py`).
+                with encoders.receiving(share, clock, pipelined=True) if encoders is not None else nullcontext():
+                    result = self.pipeline.train_step(inputs, targets, shares.micro_batches, scale, clock)
+                if encoders is not None:
+                    encoders.send_gradients()
+                    encoders.finish()
                 self._pad(stop - start, started, clock, "stage")  # emulated work counts as this stage's compute
                 return result
 

@@ -548,3 +548,35 @@ def phased_data(n: int = 288, batch_size: int = 12, switch: int = 144) -> DataLo
         for i in range(n)
     ]
     return DataLoader(items, batch_size=batch_size)
+
+
+class FuseEncoders(nn.Module):
+    """A first block over the model's encoders: each sample's image and text features, summed."""
+
+    def __init__(self, image: nn.Module, text: nn.Module, width: int) -> None:
+        super().__init__()
+        self.image, self.text, self.width = image, text, width
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        fused = torch.zeros(len(inputs["has_image"]), self.width, dtype=inputs["image"].dtype, device=inputs["image"].device)
+        for name, key, mask in (("image", "image", inputs["has_image"]), ("text", "tokens", inputs["has_text"])):
+            if mask.any():
+                fused = fused.index_add(0, mask.nonzero().squeeze(1), getattr(self, name)(inputs[key][mask]))
+        return fused
+
+
+class PipelinedMultimodal(PipelineModule, Multimodal):
+    """`Multimodal` offering blocks: the fused encoders, then the backbone's layers."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__(width)
+        self.fuse = FuseEncoders(self.image, self.text, width)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.fuse, *self.backbone]
+
+    def pipeline_inputs(self, batch: dict) -> tuple[dict, torch.Tensor]:
+        return {k: batch[k] for k in ("image", "tokens", "has_image", "has_text")}, batch["y"]
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output.squeeze(1), target)

@@ -154,3 +154,14 @@ def test_a_killed_gpu_rank_ends_the_run_and_is_named(tmp_path: Path) -> None:
         fit(gpu(timeout=20), callbacks=[Fault(rank=1, step=2, how="kill")])
     text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
     assert "global rank 1 (stage0" in text and "SIGKILL" in text
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_encoders_placed_between_a_gpu_replica_and_a_cpu_worker(mode: str, tmp_path: Path) -> None:
+    """A multimodal model as replicas on the GPU and the CPU worker: the images encoded on the GPU for
+    both shares, the captions on the CPU for both; outputs and gradients through pinned host memory."""
+    from tests.models import Multimodal, multimodal_data
+    from tests.test_replicas import assert_same_run
+
+    strategy = gpu(mode=mode, encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3)
+    assert_same_run(tmp_path, strategy, Multimodal, multimodal_data)

@@ -130,6 +130,7 @@ def test_the_placement_is_part_of_the_plan(tmp_path: Path) -> None:
     assert named.plan.encoders == {"image": "device1", "text": "device0"}
     path = strategy.plan.save(tmp_path / "plan.yaml")
     assert HeteroPlan.load(path).encoders == {"image": "device0", "text": "cpu0"}
+    assert HeteroStrategy(plan=path).encoder_placement == {"image": "device0", "text": "cpu0"}  # replays
     assert "image: device0" in strategy.plan.table()
     assert HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "split"}).plan.encoders == {}
 
@@ -153,21 +154,6 @@ def test_a_placement_that_cannot_run_is_refused_before_any_process_starts(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         trainer(hetero(**kwargs), max_steps=1).fit(model(), multimodal_data())
-
-
-def test_a_pipeline_of_several_stages_keeps_its_encoders_split(no_processes: None) -> None:
-    from tests.models import Net
-
-    class Blocks(Multimodal):
-        def pipeline_layers(self) -> list:
-            return [self.image, self.text, self.backbone]
-
-        def pipeline_loss(self, output: Any, target: Any) -> Any:
-            return torch.nn.functional.mse_loss(output, target)
-
-    assert Net  # the contract's pipeline model for comparison
-    with pytest.raises(ValueError, match="cuts the model into 2 stages"):
-        HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "cpu0"}).check_model(Blocks())
 
 
 class CallsWithOtherInput(Multimodal):
@@ -224,3 +210,40 @@ def test_the_monitor_shows_each_encoders_time_and_the_waits_it_caused(tmp_path: 
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
     assert (1, "encoder image") in names and (0, "wait for an encoder placed elsewhere") in names
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(encoders={"text": "cpu0"}, cpu_fraction=0.3),
+        dict(encoders={"image": "cpu0", "text": "cpu0"}, cpu_fraction=0.0, stages=["cpu"] * 3, schedule="1F1B", micro_batches=3),
+        dict(encoders={"image": "cpu0"}, cpu_fraction=0.3, mode="fine", offload="all", bucket_size_mb=0.001),
+    ],
+    ids=["gpipe", "1f1b-three-stages-cpu-without-a-share", "fine-offloaded"],
+)
+def test_a_pipelines_first_stage_takes_its_encoders_from_a_cpu_worker(tmp_path: Path, layout: dict) -> None:
+    """The stage whose blocks hold a placed encoder answers each micro-batch with its rows of the
+    output the CPU worker computed for the pipeline's share, and sends their gradient back."""
+    from tests.models import PipelinedMultimodal
+
+    assert_same_run(tmp_path, hetero(**layout), PipelinedMultimodal, multimodal_data, key="train_loss")
+
+
+def test_a_pipeline_places_encoders_on_cpu_workers_only(no_processes: None) -> None:
+    from tests.models import PipelinedMultimodal
+
+    with pytest.raises(ValueError, match="a stage holds only its own blocks"):
+        HeteroStrategy(stages=["cpu", "cpu"], encoders={"image": "device0"}).check_model(PipelinedMultimodal())
+    with pytest.raises(ValueError, match="Encoder 'image' .* is in stages \\[0, 1\\]"):
+        plan = HeteroPlan(stages=["cpu", "cpu"], boundaries=[1], encoders={"image": "cpu0"}, parallelism="pipeline")
+        plan.place_blocks(SpreadEncoder())
+
+
+class SpreadEncoder(Multimodal):
+    """The image encoder's layers cut into two blocks: a pipeline spreads it over two stages."""
+
+    def pipeline_layers(self) -> list:
+        return [self.image.conv, self.image.out, self.text, self.backbone]
+
+    def pipeline_loss(self, output: Any, target: Any) -> Any:
+        return torch.nn.functional.mse_loss(output, target)

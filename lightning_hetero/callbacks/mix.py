@@ -167,10 +167,12 @@ class MixRebalancer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         engine = strategy.engine if strategy is not None else None
-        if engine is None or engine.worker.encoders is None:
+        whole = strategy is not None and (strategy.topology.replicas or strategy.topology.num_stages == 1)
+        if engine is None or engine.worker.encoders is None or not whole:
             rank_zero_warn(
                 "MixRebalancer does nothing here: it places the encoders of a multimodal model (`modality_encoders()`)"
-                " between the processes of `strategy='hetero'` that hold the whole model."
+                " between the processes of `strategy='hetero'` that hold the whole model (replicas, or one stage;"
+                " in a pipeline of several stages, place them with `encoders=`)."
             )
             self.follower = None
             return
