@@ -104,8 +104,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             (``docs/multimodal.md``).
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
-        emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q}`` makes each side's share of a training
-            batch take at least ``samples / speed`` seconds, to emulate devices of known speeds.
+        emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q, "image@device": s}`` makes each side's share
+            of a training batch (an encoder's forward there) take at least ``samples / speed`` seconds.
     """
 
     strategy_name = "hetero"

@@ -100,3 +100,26 @@ def test_it_does_nothing_for_a_model_without_encoders(tmp_path: Path) -> None:
 def test_its_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="every_n_steps"):
         MixRebalancer(every_n_steps=2, warmup_steps=2)
+
+
+def test_a_resumed_run_keeps_the_placement_the_mix_rebalancer_had_reached(tmp_path: Path) -> None:
+    """Its decisions and placement are saved with the checkpoint; the resumed run starts from them, not
+    from the strategy's placement."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.conftest import trainer
+
+    def fit(steps: int, out: Path, ckpt: Path | None = None) -> list:
+        out.mkdir()
+        saving = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        callbacks = [MixRebalancer(every_n_steps=3, warmup_steps=1, repeats=1), SaveDecisions(out), saving]
+        strategy = hetero(stages=["cpu"], cpu_fraction=0.0, emulated_speed=SPEEDS)
+        run = trainer(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=True)
+        run.fit(Multimodal().double(), phased_data(), ckpt_path=ckpt)
+        return torch.load(out / "decisions.pt")
+
+    first = fit(9, tmp_path / "first")
+    assert first[-1]["placement"] == {"image": "cpu0"}, first
+    resumed = fit(12, tmp_path / "resumed", tmp_path / "ckpt" / "step=9.ckpt")
+    assert resumed[: len(first)] == first and resumed[len(first)]["reason"] == "resume"
+    assert resumed[len(first)]["placement"] == {"image": "cpu0"}

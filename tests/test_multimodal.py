@@ -106,7 +106,8 @@ def test_placement_changes_mid_run(tmp_path: Path, mode: str) -> None:
     same_run(tmp_path, strategy, callbacks=[Replace(3, {"image": "device0", "text": "cpu0"}), Replace(5, {})])
 
 
-def test_resume_with_placed_encoders(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_resume_with_placed_encoders(tmp_path: Path, mode: str) -> None:
     """A run with placed encoders saves an ordinary checkpoint, which a run with another placement resumes."""
 
     def fit(strategy: Any, steps: int, ckpt: Path | None = None, save: bool = False) -> L.LightningModule:
@@ -117,9 +118,9 @@ def test_resume_with_placed_encoders(tmp_path: Path) -> None:
         )
         return model
 
-    fit(hetero(encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3), 3, save=True)
+    fit(hetero(mode=mode, encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3), 3, save=True)
     checkpoint = tmp_path / "ckpt" / "step=3.ckpt"
-    resumed = fit(hetero(encoders={"text": "device1"}, cpu_fraction=0.5), 8, ckpt=checkpoint)
+    resumed = fit(hetero(mode=mode, encoders={"text": "device1"}, cpu_fraction=0.5), 8, ckpt=checkpoint)
     assert max_param_diff(fit(None, 8, ckpt=checkpoint), resumed) < TOL
 
 
