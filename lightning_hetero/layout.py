@@ -24,7 +24,7 @@ from lightning_hetero.loading import LoaderPolicy, set_workers
 from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.shares import Shares, split_batch
-from lightning_hetero.topology import ProcessGroups, Role, Topology, threads_for, usable_cores
+from lightning_hetero.topology import ProcessGroups, Role, Topology, pin_to, threads_for, usable_cores
 from lightning_hetero.workers import check_emulated_speed
 
 if TYPE_CHECKING:
@@ -113,6 +113,8 @@ class RunLayout:
         if self._groups is None:  # not in a worker process (yet)
             return
         plan = self._plan
+        if plan.cpu_cores is not None and self.role.is_cpu_worker:
+            pin_to(plan.cpu_cores[self.role.index])  # its NUMA node's cores, with its memory
         cpu_computes = plan.cpu_fraction > 0 or any(host.startswith("cpu") for host in plan.encoders.values())
         threads = threads_for(self.role, self.topology, usable_cores(), plan.cpu_threads, cpu_computes, plan.stage_threads)
         if threads != torch.get_num_threads():
@@ -168,8 +170,12 @@ class RunLayout:
 
     @property
     def topology(self) -> Topology:
-        replicas = self._plan.parallelism == "replicas"
-        return Topology(cpu_workers=self._plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes, replicas=replicas)
+        plan = self._plan
+        cores = tuple(tuple(c) for c in plan.cpu_cores) if plan.cpu_cores is not None else None
+        return Topology(
+            cpu_workers=plan.cpu_workers, stage_devices=self._stage_devices, num_nodes=self._num_nodes,
+            replicas=plan.parallelism == "replicas", cpu_cores=cores,
+        )  # fmt: skip
 
     @property
     def role(self) -> Role:

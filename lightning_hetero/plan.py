@@ -26,6 +26,7 @@ from lightning_hetero.files import atomic_write
 from lightning_hetero.module import check_model_contract, check_replica_contract, layer_names, offers_blocks
 from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
+from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
 from lightning_hetero.offload import check_offload
 from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
 from lightning_hetero.sync import make_buckets
@@ -71,6 +72,9 @@ class HeteroPlan:
     """A single-stage-per-rank schedule known to ``get_schedule_class``."""
     cpu_workers: int = 1
     """CPU-worker processes, each with a full replica."""
+    cpu_cores: Optional[list[list[int]]] = None
+    """The cores each CPU worker is pinned to, one list per worker (``cpu_workers="auto"``: its NUMA
+    node's; ``numa.py``); its torch threads default to their number. None: not pinned."""
     cpu_threads: Optional[int] = None
     """torch threads per CPU worker (None: the cores the other processes leave)."""
     stage_threads: Optional[int] = None
@@ -122,6 +126,13 @@ class HeteroPlan:
         resolve_schedule(self.schedule, len(devices), self.micro_batches)
         if self.cpu_workers < 0:
             raise ValueError(f"Plan: `cpu_workers={self.cpu_workers}` must be >= 0.")
+        if self.cpu_cores is not None:
+            if len(self.cpu_cores) != self.cpu_workers:
+                raise ValueError(
+                    f"Plan: `cpu_cores` gives {len(self.cpu_cores)} core set(s) for {self.cpu_workers} CPU worker(s);"
+                    " give one per CPU worker."
+                )
+            self.cpu_cores = check_cpu_cores(self.cpu_cores, here=False)  # this machine's cores: when a strategy takes it
         if self.cpu_threads is not None:
             _check_positive("cpu_threads", self.cpu_threads)
         if self.stage_threads is not None:
@@ -235,7 +246,7 @@ class HeteroPlan:
         check_offload(offload, mode)
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
             raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
-        _check_int("cpu_workers", cpu_workers, minimum=0)
+        cpu_workers, cpu_cores = _cpu_workers(cpu_workers)
         _check_int("micro_batches", micro_batches, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)
@@ -245,6 +256,7 @@ class HeteroPlan:
             mode=mode,
             stages=[str(d) for d in devices],
             cpu_workers=cpu_workers,
+            cpu_cores=cpu_cores,
             cpu_threads=cpu_threads,
             micro_batches=micro_batches,
             schedule=schedule_name(schedule),
@@ -290,10 +302,31 @@ def layout_plan(
     loaded = HeteroPlan.load(plan) if not isinstance(plan, HeteroPlan) else plan
     try:
         devices = resolve_stage_devices(loaded.stages)
+        if loaded.cpu_cores is not None:
+            check_cpu_cores(loaded.cpu_cores)
     except ValueError as error:
         source = "The plan" if isinstance(plan, HeteroPlan) else f"Plan file {plan}"
         raise ValueError(f"{source} cannot run on this machine: {error}") from None
     return replace(loaded, stages=[str(d) for d in devices])  # a copy, its devices named as they resolve here
+
+
+def _cpu_workers(cpu_workers: Any) -> tuple[int, Optional[list[list[int]]]]:
+    """``cpu_workers`` as a count and the cores of each worker where they are pinned: ``"auto"`` is one
+    per NUMA node this process may use, each pinned to its node's cores (one, not pinned, on a machine
+    of one node); a list of core sets pins one worker to each; a count pins none."""
+    if cpu_workers == "auto":
+        cores = cpu_worker_cores()
+        return (len(cores), cores) if cores else (1, None)
+    if isinstance(cpu_workers, str):
+        raise ValueError(
+            f"`cpu_workers={cpu_workers!r}` must be a count, 'auto' (one per NUMA node, pinned to its cores) or a list"
+            " of core sets, one per CPU worker (e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] or ['0-3', '4-7'])."
+        )
+    if isinstance(cpu_workers, int):
+        _check_int("cpu_workers", cpu_workers, minimum=0)
+        return cpu_workers, None
+    cores = check_cpu_cores(cpu_workers)
+    return len(cores), cores
 
 
 def _fraction(cpu_fraction: Any, cpu_workers: int, device_types: list[str]) -> float:

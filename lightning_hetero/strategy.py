@@ -63,8 +63,7 @@ from lightning_hetero.record import StepRecord
 from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.state import move_materialized
-from lightning_hetero.topology import ProcessGroups, StagesArg, connect
-from lightning_hetero.topology import resolve_stage_devices
+from lightning_hetero.topology import ProcessGroups, StagesArg, connect, resolve_stage_devices
 from lightning_hetero.workers import check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
@@ -78,8 +77,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         mode: ``"coarse"`` (gradients summed after the backward) or ``"fine"`` (bucket by bucket during it).
         stages: ``"auto"`` (one stage per GPU; two emulated CPU stages without a GPU), a number of stages,
             or a list of devices such as ``["cuda:0", "cuda:1"]`` or ``["cpu", "cpu"]``.
-        cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only).
-        cpu_threads: torch threads per CPU worker; ``None`` shares the machine's cores out.
+        cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only); ``"auto"``: one
+            per NUMA node, pinned to its cores; or each one's cores, ``[[0, 1], [2, 3]]`` (``docs/cpu-workers.md``).
+        cpu_threads: torch threads per CPU worker; ``None``: its pinned cores, or the machine's shared out.
         micro_batches: micro-batches the pipeline's share is cut into.
         schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
         cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given; ``"auto"``:
@@ -114,7 +114,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self,
         mode: Literal["coarse", "fine"] = "coarse",
         stages: StagesArg = "auto",
-        cpu_workers: int = 1,
+        cpu_workers: Union[int, Literal["auto"], Sequence[Sequence[int]]] = 1,
         cpu_threads: Optional[int] = None,
         micro_batches: int = 4,
         schedule: ScheduleArg = "GPipe",

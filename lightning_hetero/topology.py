@@ -30,6 +30,7 @@ __all__ = [
     "resolve_stage_devices",
     "build_process_groups",
     "threads_for",
+    "pin_to",
     "usable_cores",
     "restart_store",
     "gather_object_to",
@@ -88,6 +89,8 @@ class Topology:
     """Nodes; each holds one hetero group, and the groups are data-parallel replicas."""
     replicas: bool = False
     """The devices hold whole replicas of the model instead of pipeline stages."""
+    cpu_cores: Optional[tuple[tuple[int, ...], ...]] = None
+    """The cores each CPU worker is pinned to (``numa.py``); ``None``: not pinned."""
 
     @property
     def num_stages(self) -> int:
@@ -129,7 +132,8 @@ class Topology:
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
         kind = "replica(s)" if self.replicas else "stage(s)"
-        return f"{self.cpu_workers} CPU worker(s) + {self.num_stages} {kind} [{stages}] x {self.num_nodes} node(s)"
+        pinned = f" on cores {' | '.join(_cpulist(c) for c in self.cpu_cores)}" if self.cpu_cores else ""
+        return f"{self.cpu_workers} CPU worker(s){pinned} + {self.num_stages} {kind} [{stages}] x {self.num_nodes} node(s)"
 
     def check_world_size(self, started: int) -> None:
         """Raise where a launcher started another number of processes than the layout needs."""
@@ -155,6 +159,17 @@ class Topology:
         return f"global rank {rank} ({self.role(local_rank)} of {self.describe()})"
 
 
+def _cpulist(cores: Sequence[int]) -> str:
+    """Cores as Linux writes them: ``0-3,8``."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -174,7 +189,8 @@ def threads_for(
     no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
     them alone. With GPU stages, each GPU stage process keeps one core to drive its device and the
     CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
-    the stages' (a plan's split of the cores between loading and compute).
+    the stages' (a plan's split of the cores between loading and compute). A CPU worker pinned to
+    cores (``topology.cpu_cores``) takes one thread per core it has.
     """
     gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
     if role.is_stage and stage_threads is not None:
@@ -187,6 +203,8 @@ def threads_for(
         return max(1, (cores - gpu_stages) // (topology.num_stages - gpu_stages))
     if cpu_threads is not None:
         return cpu_threads
+    if topology.cpu_cores is not None and role.is_cpu_worker:
+        return len(topology.cpu_cores[role.index])
     if gpu_stages:
         return max(1, (cores - gpu_stages) // topology.cpu_workers)
     return max(1, cores // topology.procs_per_node)
@@ -450,3 +468,13 @@ def restart_store(timeout: timedelta) -> dist.Store | None:
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"/hetero/attempt_{attempt}", store)
+
+
+def pin_to(cores: Sequence[int]) -> None:
+    """Run this process on ``cores`` only: every thread it has (torch's pool may exist already), and
+    so every thread it starts."""
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
+        try:
+            os.sched_setaffinity(int(task), set(cores))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
