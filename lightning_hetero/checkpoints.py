@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch.optim import Optimizer
 
 from lightning_hetero.files import AtomicCheckpointIO
+from lightning_hetero.sharding import gather_sharded_state
 from lightning_hetero.state import gather_module_state, gather_optimizer_state
 from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
 
@@ -57,7 +58,11 @@ class StageCheckpoints:
         return gather_module_state(self.lightning_module, self.control_group)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = with_offloaded_state(getattr(optimizer, "_optimizer", optimizer), self.bucket_steps)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        state = with_offloaded_state(optimizer, self.bucket_steps)
+        if self._engine is not None and self._engine.worker.sharding is not None:
+            # Offloaded buckets split between the CPU workers: each one's part to rank 0 (`sharding.py`).
+            state = gather_sharded_state(optimizer, self.bucket_steps, state, self.control_group)
         return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -167,8 +167,9 @@ class StepEngine:
         if first:
             self.state = StepState(clock=self.state.clock, syncs=self.state.syncs)
         state, worker = self.state, self.worker
-        # A CPU worker that hosts an encoder computes in every step, whatever its share.
-        cpu_share = shares.pipeline_size < shares.batch_size or worker.encoders_on_cpu
+        # A CPU worker that hosts an encoder, or steps a share of the offloaded buckets for everyone
+        # (`sharding.py`), takes part in every step, whatever its share of the batch.
+        cpu_share = shares.pipeline_size < shares.batch_size or worker.encoders_on_cpu or self.sync.needs_cpu_workers
         if cpu_share:
             self.refresh_replicas(_first_optimizer(trainer))
         state.cpu_share |= cpu_share

@@ -13,7 +13,8 @@ groups, hyperparameters, learning-rate schedule) to one bucket's parameters:
   state of an offloaded bucket exists on the device.
 
 Every rank that holds a bucket steps it the same way (a CPU worker steps an offloaded bucket
-with the same fused CPU optimizer as the stage), so all copies stay identical.
+with the same fused CPU optimizer as the stage), so all copies stay identical; with two or more
+CPU workers, they split an offloaded bucket's step between them instead (``sharding.py``).
 """
 
 from __future__ import annotations

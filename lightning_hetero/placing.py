@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,12 +26,13 @@ from lightning_hetero.pipeline import resolve_schedule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import ReportExchange, relog
+from lightning_hetero.sharding import Sharding
 from lightning_hetero.shares import Shares
 from lightning_hetero.sync import GlobalNorm, GradSync
 from lightning_hetero.topology import ProcessGroups, Topology, tied_groups
 from lightning_hetero.workers import ROLES, Placement, Tied
 
-__all__ = ["place_rank", "build_sync", "replica_norm", "encoder_exchange"]
+__all__ = ["place_rank", "build_sync", "replica_norm", "encoder_exchange", "sharding_of"]
 
 
 def place_rank(
@@ -62,6 +64,8 @@ def place_rank(
     if offers_modalities(module):
         worker.encoders = encoder_exchange(module, topology, placement, node_rank, local_rank, device, timeout)
         worker.encoders.set_placement(plan.encoders)
+    if plan.mode == "fine" and topology.cpu_workers >= 2 and plan.shard_offloaded:
+        worker.sharding = sharding_of(topology, node_rank, local_rank, timeout)
     return StepEngine(
         worker=worker,
         exchange=ReportExchange(
@@ -91,7 +95,26 @@ def build_sync(
         offload=plan.offload,
         control=groups.control,
         skip_nonfinite=skip,
+        sharding=worker.sharding,
     )
+
+
+def sharding_of(topology: Topology, node_rank: int, local_rank: int, timeout: timedelta) -> Sharding:
+    """How this rank takes part in the offloaded buckets' steps split between its node's CPU workers
+    (``sharding.py``): their ranks, which of them it is, and per stage a group of the stage's sync
+    group's ranks for the updated parameters. Collective: every rank creates every group."""
+    global_rank = node_rank * topology.procs_per_node + local_rank
+    groups: dict[int, Optional[dist.ProcessGroup]] = {}
+    for node in range(topology.num_nodes):
+        cpus, stages = topology.cpu_ranks(node), topology.stage_ranks(node)
+        members = [(0, topology.node_ranks(node))] if topology.replicas else [(s, [*cpus, r]) for s, r in enumerate(stages)]
+        for stage, ranks in members:
+            # A group of its own: the bucket sums run on another thread over the sync group.
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if node == node_rank and global_rank in ranks:
+                groups[stage] = group
+    role = topology.role(local_rank)
+    return Sharding(tuple(topology.cpu_ranks(node_rank)), role.index if role.is_cpu_worker else None, groups)
 
 
 def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeout: timedelta) -> ReplicaNorm:

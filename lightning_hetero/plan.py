@@ -46,6 +46,7 @@ LAYOUT_ARGUMENTS = (
     "offload",
     "bucket_size_mb",
     "encoders",
+    "shard_offloaded",
 )
 """``HeteroStrategy``'s arguments that a plan sets."""
 
@@ -87,6 +88,9 @@ class HeteroPlan:
     the last layers' bucket), or ``"auto"``, ``"none"``, ``"all"`` (see ``HeteroStrategy``)."""
     bucket_size_mb: float = 25.0
     """Fine mode: the parameter size that closes a bucket."""
+    shard_offloaded: bool = True
+    """Fine mode with two or more CPU workers: each offloaded bucket's optimizer state and step split
+    between them (``sharding.py``); ``False``: every CPU worker steps all of it."""
     dataloader_workers: Optional[int] = None
     """DataLoader worker processes per rank (None: as the DataLoader was built)."""
     encoders: dict[str, str] = field(default_factory=dict)
@@ -238,6 +242,7 @@ class HeteroPlan:
         offload: Any,
         bucket_size_mb: Any,
         encoders: Any = None,
+        shard_offloaded: Any = True,
     ) -> HeteroPlan:
         """The plan of ``HeteroStrategy``'s layout arguments (see its docstring), after checking each
         one: ``stages`` becomes one device per stage, ``cpu_fraction="auto"`` a number."""
@@ -247,6 +252,8 @@ class HeteroPlan:
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
             raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
         cpu_workers, cpu_cores = _cpu_workers(cpu_workers)
+        if not isinstance(shard_offloaded, bool):
+            raise ValueError(f"`shard_offloaded={shard_offloaded!r}` must be True or False.")
         _check_int("micro_batches", micro_batches, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)
@@ -264,6 +271,7 @@ class HeteroPlan:
             offload=offload if isinstance(offload, str) else sorted(set(offload)),
             bucket_size_mb=float(bucket_size_mb),
             encoders=check_placement(encoders),
+            shard_offloaded=bool(shard_offloaded),
         )
 
     @classmethod

@@ -143,7 +143,8 @@ def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], 
     """Load an ordinary optimizer state dict: offloaded buckets take their parameters' state, the
     optimizer the rest (only for parameters this rank holds; others live on the meta device)."""
     by_position = {position: p for p, (_, position) in param_index(optimizer).items()}
-    offloaded = {p: step for step in steps if isinstance(step, OffloadStep) for p in step.params}
+    # A bucket split between the CPU workers takes every parameter's state, and keeps its own part.
+    offloaded = {p: step for step in steps if isinstance(step, OffloadStep) for p in getattr(step, "bucket_params", step.params)}
     mine, theirs = {}, {}
     for position, state in state_dict["state"].items():
         p = by_position[int(position)]

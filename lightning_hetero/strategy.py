@@ -102,6 +102,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             (the process of device N) computes that encoder for every worker's share of each batch, while the
             others compute theirs; ``"split"`` (the default for any left out): every worker its own share's
             (``docs/multimodal.md``).
+        shard_offloaded: fine mode with two or more CPU workers: split each offloaded bucket's optimizer state and
+            step between them, ZeRO-style (``docs/cpu-workers.md``); ``False``: each CPU worker steps all of it.
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
         emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q, "image@device": s}`` makes each side's share
@@ -129,6 +131,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         parallelism: Literal["auto", "pipeline", "replicas"] = "auto",
         dataloader_workers: LoaderPolicy = "auto",
         encoders: Optional[Mapping[str, str]] = None,
+        shard_offloaded: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -487,11 +490,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         )
 
 
-_LAYOUT_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(HeteroStrategy.__init__).parameters.items()
-    if name in LAYOUT_ARGUMENTS
-}
+_LAYOUT_DEFAULTS = {n: p.default for n, p in inspect.signature(HeteroStrategy.__init__).parameters.items() if n in LAYOUT_ARGUMENTS}
 
 
 def hetero_strategy(trainer: "pl.Trainer") -> Optional[HeteroStrategy]:

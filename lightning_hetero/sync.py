@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.finite import finite_flag
-from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, param_index
+from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 from lightning_hetero.record import StepClock, span
 
 __all__ = [
@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+StepFactory = Callable[[Optimizer, Sequence[nn.Parameter], dict], BucketStep]
+"""Makes a bucket's step from the user's optimizer, the bucket's parameters and ``param_index``."""
 
 Clipping = tuple[Optional[float], Optional[float]]
 """(clip by value, clip by norm), as the Trainer is set."""
@@ -182,6 +185,8 @@ class GradSync:
 
     overlaps = False
     """Whether buckets are summed and stepped during the backward (fine mode)."""
+    needs_cpu_workers = False
+    """Whether the CPU workers step for everyone (``sharding.py``), and so take part in every step."""
 
     @property
     def bucket_steps(self) -> list[BucketStep]:
@@ -308,7 +313,8 @@ class FineSync(GradSync):
     """Fine mode: each bucket is summed and stepped while the backward goes on (``_Overlap``).
 
     ``buckets`` are this rank's buckets in bucket order: their parameters and whom they are summed
-    over (``SumOver``), and whether their step is offloaded to the CPU (``offload.py``). Each is stepped
+    over (``SumOver``), and how their step is made: on the device, offloaded to the CPU
+    (``offload.py``), or offloaded and split between the CPU workers (``sharding.py``). Each is stepped
     with the user's ``optimizer`` restricted to it; when the optimizer's parameters change
     (``add_param_group`` while fine-tuning), the steps are built again with the offloaded state
     carried over.
@@ -318,11 +324,12 @@ class FineSync(GradSync):
 
     def __init__(
         self,
-        buckets: Sequence[tuple[SumOver, bool]],
+        buckets: Sequence[tuple[SumOver, StepFactory]],
         optimizer: Optimizer,
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[Sequence[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
+        needs_cpu_workers: bool = False,
     ) -> None:
         self._buckets = list(buckets)
         self._optimizer = optimizer
@@ -332,13 +339,13 @@ class FineSync(GradSync):
         self._threads: Optional[int] = None
         self._overlap = self._build()
         self._takes_part = True
+        self.needs_cpu_workers = needs_cpu_workers
 
     def _build(self) -> _Overlap:
         self._layout = param_index(self._optimizer)
         entries = []
-        for bucket, offloaded in self._buckets:
-            step = (OffloadStep if offloaded else DeviceStep)(self._optimizer, bucket.params, self._layout)
-            entries.append((bucket, step))
+        for bucket, make_step in self._buckets:
+            entries.append((bucket, make_step(self._optimizer, bucket.params, self._layout)))
         overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite)
         if self._threads is not None:
             overlap.set_threads(self._threads)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -41,7 +42,8 @@ from lightning_hetero.batchnorm import ReplicaNorm
 from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
 from lightning_hetero.multimodal import EncoderExchange
-from lightning_hetero.offload import BucketStep, choose_offloaded
+from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, choose_offloaded
+from lightning_hetero.sharding import Sharding, ShardedStep
 from lightning_hetero.pipeline import Pipeline, StageModule
 from lightning_hetero.record import span
 from lightning_hetero.results import LogCapture, WorkerReport
@@ -174,6 +176,8 @@ class Worker:
         strategy's ``emulated_speed``); 0 runs at the real speed."""
         self.encoders: Optional[EncoderExchange] = None
         """This rank's part in a multimodal model's placed encoders (``multimodal.py``), where it has any."""
+        self.sharding: Optional[Sharding] = None
+        """How this rank takes part in offloaded buckets split between the CPU workers (``sharding.py``)."""
 
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each used parameter receives in this step's backward."""
@@ -252,10 +256,13 @@ class Worker:
         offload: Any,
         control: dist.ProcessGroup,
         skip_nonfinite: bool,
+        sharding: Optional[Sharding] = None,
     ) -> GradSync:
         """The mode's gradient sync for what this rank sums (``sync_buckets``) or steps (``owns``);
         which fine-mode buckets are offloaded is decided alike on every rank (``choose_offloaded``,
-        a collective over ``control``)."""
+        a collective over ``control``). With ``sharding`` (several CPU workers), an offloaded bucket's
+        step is split between them (``sharding.py``; tied parameters' buckets excepted), and they
+        take part in every step."""
         if mode == "coarse":
             return CoarseSync(self.sync_buckets(), replica_group, norm)
         place = self.placement
@@ -263,11 +270,17 @@ class Worker:
         own = [b for b in buckets if self.owns(b)]
         offloaded = choose_offloaded(offload, buckets, own, params, self.device, control)
         tied = place.tied_by_stages()
-        entries = [
-            (self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), b.index in offloaded)
-            for b in own
-        ]
-        return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite)
+
+        def step_of(b: Bucket) -> Any:
+            if b.index not in offloaded:
+                return DeviceStep
+            if sharding is None or b.tied:
+                return OffloadStep
+            return partial(ShardedStep, sharding=sharding, stage=b.stage)
+
+        entries = [(self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), step_of(b)) for b in own]
+        shares = sharding is not None and bool(offloaded)
+        return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite, needs_cpu_workers=shares)
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         """Take this rank's part of a checkpoint's ``state_dict``."""

@@ -1,0 +1,129 @@
+"""The offloaded optimizer split between the CPU workers, ZeRO-style.
+
+[Note: a sharded bucket step]
+In fine mode every rank that holds an offloaded bucket steps it with a fused CPU optimizer, so with
+N CPU workers the bucket's fp32 master weights and optimizer state exist N + 1 times (each CPU
+worker's, and the stage's in its host memory), and N + 1 processes do the same step. With two or
+more CPU workers (one per socket: ``numa.py``) they share the work instead, as ZeRO stage 1/2
+shares it between data-parallel ranks:
+
+1. each of the bucket's parameters has one *owner*, a CPU worker (``owners``: whole parameters,
+   the largest first to the least loaded worker, so each owns about 1/N of the bucket; the same
+   on every rank);
+2. the bucket's gradients are summed over the stage and the CPU workers as before, and each CPU
+   worker keeps the sums of the parameters it owns (the others' are dropped);
+3. the owner steps its parameters with its part of the optimizer state, in its own memory (its
+   socket's, where it is pinned);
+4. every owner in turn broadcasts its updated parameters to the bucket's other ranks (the stage,
+   the other CPU workers), over a group of their own, so that every copy of every parameter is
+   the same again.
+
+The stage holds no optimizer state for the bucket, and each CPU worker 1/N of it. The optimizer's
+hyperparameters and learning-rate schedule are the user's, as for any bucket step. A checkpoint
+holds the whole optimizer state as a single process has it: the owners' parts are gathered to
+global rank 0 when it is saved (``gather_sharded_state``), and every rank takes its own part when
+one is loaded, so a run resumes with any number of CPU workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_hetero.offload import BucketStep, OffloadStep, param_index
+from lightning_hetero.topology import gather_object_to
+
+__all__ = ["Sharding", "ShardedStep", "owners", "gather_sharded_state"]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How this rank takes part in sharded bucket steps: the global ranks of its node's CPU workers,
+    which of them this rank is (``None`` on a stage or device), and, by stage, the group a sharded
+    bucket's updated parameters are broadcast over (the stage's sync group, a group of its own)."""
+
+    cpu_ranks: tuple[int, ...]
+    me: Optional[int]
+    groups: dict[int, Optional[dist.ProcessGroup]]
+
+
+def owners(params: Sequence[nn.Parameter], workers: int) -> list[int]:
+    """Each parameter's owning CPU worker: the largest first, each to the worker owning the fewest
+    elements so far (ties: the lower index); the same on every rank."""
+    load = [0] * workers
+    owner = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        w = min(range(workers), key=lambda k: (load[k], k))
+        owner[i] = w
+        load[w] += params[i].numel()
+    return owner
+
+
+class ShardedStep(OffloadStep):
+    """An offloaded bucket whose masters and optimizer state are split between the CPU workers (see
+    the module's note). ``params`` (and what the offloaded step holds) are this rank's own;
+    ``bucket_params`` every parameter of the bucket."""
+
+    def __init__(
+        self, optimizer: Optimizer, params: Sequence[nn.Parameter], index: dict, sharding: Sharding, stage: int
+    ) -> None:
+        bucket = [p for p in params if p in index]
+        owner = owners(bucket, len(sharding.cpu_ranks))
+        super().__init__(optimizer, [p for p, o in zip(bucket, owner) if o == sharding.me], index)
+        self.bucket_params = bucket
+        self.others = [p for p, o in zip(bucket, owner) if o != sharding.me]
+        self.by_owner = [[p for p, o in zip(bucket, owner) if o == w] for w in range(len(sharding.cpu_ranks))]
+        self.sharding = sharding
+        self.group = sharding.groups[stage]
+
+    def grad_holders(self) -> list[Tensor]:
+        # Every gradient of the bucket this rank holds: clipping by norm scales them all alike.
+        return [*self.masters, *self.others]
+
+    def step(self) -> None:
+        for p in self.others:
+            p.grad = None
+        super().step()
+        with torch.no_grad():
+            for owner, params in enumerate(self.by_owner):
+                by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+                for p in params:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+                for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+                    self._share(owner, by_dtype[dtype], dtype)
+
+    def _share(self, owner: int, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+        """``owner``'s updated ``params`` (of one dtype) on every rank of the bucket (one broadcast)."""
+        mine = owner == self.sharding.me
+        if mine:
+            flat = torch.cat([p.detach().reshape(-1).cpu() for p in params])
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+        dist.broadcast(flat, self.sharding.cpu_ranks[owner], group=self.group)
+        if not mine:
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def gather_sharded_state(
+    optimizer: Optimizer, steps: Sequence[BucketStep], state_dict: dict[str, Any], group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """``state_dict`` (this rank's optimizer state with its offloaded buckets') with every CPU worker's
+    part of the sharded buckets' state, on global rank 0 (a collective over ``group``, every rank)."""
+    index = param_index(optimizer)
+    mine = {index[p][1]: s for step in steps if isinstance(step, ShardedStep) for p, s in step.state().items()}
+    parts = gather_object_to(mine, 0, group)
+    if parts is None:
+        return state_dict
+    for part in parts:
+        state_dict["state"].update(part)
+    state_dict["state"] = dict(sorted(state_dict["state"].items()))
+    return state_dict
