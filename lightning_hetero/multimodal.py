@@ -31,6 +31,11 @@ order above (features before its own step, gradients after it), so two hosts tha
 encoders cannot wait on each other. Where the CPU workers have no share of a batch, a CPU worker
 that hosts an encoder still computes it, and takes part in the step's sum.
 
+In a pipeline of several stages, an encoder is placed on a CPU worker (which holds the whole model)
+and the stage whose blocks hold it is the one that calls it: the CPU worker encodes the pipeline's
+share, and the stage's calls, one per micro-batch, take its rows in turn (``micro_batch``); its
+gradient, accumulated over the micro-batches, goes back after the schedule.
+
 Placement changes where the encoders run, never the maths: ``set_placement`` may change it at any
 batch (on every rank alike). Evaluation steps compute every encoder where its worker runs.
 """
