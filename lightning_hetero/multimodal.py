@@ -73,6 +73,7 @@ __all__ = [
     "EncoderPacing",
     "carrying",
     "micro_batch",
+    "in_backward",
 ]
 
 SPLIT = "split"
@@ -198,6 +199,12 @@ def check_encoder_placement(
                 f" process(es) ({kind}0 to {kind}{count - 1})." if count else
                 f"`encoders[{modality!r}]={host!r}`: this layout has no {'CPU worker' if kind == 'cpu' else 'device'}."
             )
+        shared = _used_outside(model, encoders[modality])
+        if shared:
+            raise ValueError(
+                f"Encoder {modality!r} shares parameter {shared!r} with the rest of `{name}` (tied weights): its"
+                " gradient would come from two processes. Leave it 'split', or untie the weight."
+            )
         stats = [type(m).__name__ for m in encoders[modality].modules() if isinstance(m, _NormBase) and m.track_running_stats]
         if stats:
             raise ValueError(
@@ -233,6 +240,16 @@ def encoder_stages(
             )
         found[modality] = stages[0]
     return found
+
+
+def _used_outside(model: nn.Module, encoder: nn.Module) -> Optional[str]:
+    """The name of a parameter of ``encoder`` that the model also holds outside it (a tied weight), or None."""
+    paths = [name for name, module in model.named_modules(remove_duplicate=False) if module is encoder]
+    own = {id(p) for p in encoder.parameters()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in own and not any(name.startswith(f"{path}.") for path in paths):
+            return name
+    return None
 
 
 @dataclass
@@ -337,17 +354,23 @@ class EncoderExchange:
 
     def extra_arrivals(self, batch: Any, shares: Shares, own: int) -> dict[nn.Parameter, int]:
         """Gradients each encoder parameter receives in this step's backward where that differs from
-        ``own`` (the count every other parameter receives): its own share's and every share it computes
-        for others on the host, none on a worker whose encoder runs elsewhere (fine mode's count)."""
-        counts: dict[str, int] = {}
-        for m, _, _, _ in self._work(batch, shares):
-            counts[m] = counts.get(m, 0) + 1
+        ``own`` (the count every other parameter receives): on the host, its own share's (where it
+        carries the modality) and one for every share it computes for others; none on a worker whose
+        encoder runs elsewhere (fine mode's count)."""
+        hosted = {m for m, _, _, _ in self._work(batch, shares)}
+        mine = {}
+        for place, samples in self._ranges:
+            start, stop = samples(shares)
+            if place == self.me and start < stop:
+                mine = self._inputs(slice_batch(batch, start, stop))
         extra = {}
         for m, encoder in self.encoders.items():
             host = self.placement.get(m, SPLIT)
             if host == SPLIT:
                 continue
-            arrivals = own + counts.get(m, 0) if host == self.me else 0
+            # The host's own step calls the encoder where its share carries the modality; its backward
+            # for every other share is one backward pass (``backward_for_others``).
+            arrivals = (own if m in mine else 0) + (1 if m in hosted else 0) if host == self.me else 0
             extra.update({p: arrivals for p in encoder.parameters()})
         return extra
 
@@ -410,15 +433,27 @@ class EncoderExchange:
                     f"`{model}` called encoder {modality!r} on a share of the batch for which `modality_inputs` gives"
                     f" no {modality!r} input; call each encoder only on the inputs `modality_inputs(batch)` gives."
                 )
-            given = args[0] if len(args) == 1 and not kwargs else None
-            count = batch_size_of(given) if given is not None else -1
+            if _IN_BACKWARD.get():
+                raise RuntimeError(
+                    f"`{model}` called encoder {modality!r} again during the backward (activation checkpointing"
+                    " recomputes it there); a placed encoder's output comes from another process once per step."
+                    " Leave this encoder 'split', or checkpoint only modules that do not call it."
+                )
+            if kwargs or len(args) != 1:
+                raise RuntimeError(
+                    f"`{model}` called encoder {modality!r} with {len(args)} positional and {len(kwargs)} keyword"
+                    " argument(s); a placed encoder is called with one input, `modality_inputs(batch)"
+                    f"[{modality!r}]`, which its host computes it on."
+                )
+            given = args[0]
+            count = batch_size_of(given)
             if received.leaf is None:
                 received.leaf = self._receive(received).requires_grad_()
             start = received.offset
             if _on_meta(given) or (self._pipelined and not _IN_MICRO_BATCH.get()):
                 rows_of = received.leaf[start : start + count].detach()
                 return torch.zeros_like(rows_of, device=rows_of.device if not _on_meta(given) else "meta").requires_grad_()
-            if count < 0 or start + count > rows or not _same(given, slice_batch(expected, start, start + count)):
+            if start + count > rows or not _same(given, slice_batch(expected, start, start + count)):
                 raise RuntimeError(
                     f"`{model}` called encoder {modality!r} with another input than `modality_inputs(batch)[{modality!r}]`"
                     " for its batch (or more than once); the encoder is placed on another process, which computes it"
@@ -451,8 +486,12 @@ class EncoderExchange:
                 dist.recv(grad, hosted.rank, group=self._group, tag=hosted.tag)
             grads.append(grad.to(hosted.output.device, non_blocking=True))
         kinds = {f"encoder {h.modality}" for h in self._hosted}
-        with span(self._clock, kinds.pop() if len(kinds) == 1 else "encoders"):
-            torch.autograd.backward([h.output for h in self._hosted], grads)
+        # A frozen encoder's output has no graph: its gradients are received (to keep the messages in
+        # step) and dropped.
+        pairs = [(h.output, g) for h, g in zip(self._hosted, grads) if h.output.requires_grad]
+        if pairs:
+            with span(self._clock, kinds.pop() if len(kinds) == 1 else "encoders"):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._hosted = []
 
     def finish(self) -> None:
@@ -502,6 +541,18 @@ def _header(output: Tensor) -> Tensor:
 
 
 _IN_MICRO_BATCH: ContextVar[bool] = ContextVar("hetero_in_micro_batch", default=False)
+_IN_BACKWARD: ContextVar[bool] = ContextVar("hetero_in_backward", default=False)
+
+
+@contextmanager
+def in_backward() -> Generator[None, None, None]:
+    """Marks a worker's backward (its own share's, or a pipeline stage's of one micro-batch): a placed
+    encoder called in it is being recomputed, which it cannot be."""
+    token = _IN_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_BACKWARD.reset(token)
 
 
 @contextmanager

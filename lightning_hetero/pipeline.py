@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_flatten
 
-from lightning_hetero.multimodal import micro_batch
+from lightning_hetero.multimodal import in_backward, micro_batch
 from lightning_hetero.module import run_layers
 
 __all__ = ["partition_layers", "resolve_schedule", "schedule_name", "StageModule", "Pipeline"]
@@ -144,7 +144,7 @@ class _TimedStage(PipelineStage):
             return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.clock.device_span("stage") if self.clock is not None else nullcontext():
+        with self.clock.device_span("stage") if self.clock is not None else nullcontext(), in_backward():
             return super().backward_one_chunk(*args, **kwargs)
 
 

@@ -73,12 +73,14 @@ class ShardedStep(OffloadStep):
     def __init__(
         self, optimizer: Optimizer, params: Sequence[nn.Parameter], index: dict, sharding: Sharding, stage: int
     ) -> None:
+        # Owners over every parameter of the bucket, whether the optimizer has it yet or not: a parameter
+        # group added while fine-tuning (the steps built again) moves no parameter to another owner.
+        owner = dict(zip(params, owners(list(params), len(sharding.cpu_ranks))))
         bucket = [p for p in params if p in index]
-        owner = owners(bucket, len(sharding.cpu_ranks))
-        super().__init__(optimizer, [p for p, o in zip(bucket, owner) if o == sharding.me], index)
+        super().__init__(optimizer, [p for p in bucket if owner[p] == sharding.me], index)
         self.bucket_params = bucket
-        self.others = [p for p, o in zip(bucket, owner) if o != sharding.me]
-        self.by_owner = [[p for p, o in zip(bucket, owner) if o == w] for w in range(len(sharding.cpu_ranks))]
+        self.others = [p for p in bucket if owner[p] != sharding.me]
+        self.by_owner = [[p for p in bucket if owner[p] == w] for w in range(len(sharding.cpu_ranks))]
         self.sharding = sharding
         self.group = sharding.groups[stage]
 

@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_hetero.batchnorm import ReplicaNorm
 from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
-from lightning_hetero.multimodal import EncoderExchange
+from lightning_hetero.multimodal import EncoderExchange, in_backward
 from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, choose_offloaded
 from lightning_hetero.sharding import Sharding, ShardedStep
 from lightning_hetero.pipeline import Pipeline, StageModule
@@ -378,7 +378,8 @@ class _WholeModel(Worker):
             with encoders.receiving(share) if encoders is not None else nullcontext():
                 report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
                 weight = (stop - start) / (shares.batch_size * accumulate)
-                self.module.backward(_loss_of(output, "training_step") * weight)
+                with in_backward():
+                    self.module.backward(_loss_of(output, "training_step") * weight)
             if encoders is not None:
                 encoders.send_gradients()
             return report, output
@@ -598,7 +599,12 @@ class StageWorker(Worker):
                 self._pad(stop - start, started, clock, "stage")  # emulated work counts as this stage's compute
                 return result
 
-        outputs, pipeline_loss = self._train(compute, grads)
+        try:
+            outputs, pipeline_loss = self._train(compute, grads)
+        except BaseException:
+            if encoders is not None:
+                encoders.abort()
+            raise
         if not self.pipeline.is_last:
             return WorkerReport(), None
         with span(clock, "compute"):

@@ -248,3 +248,59 @@ class SpreadEncoder(Multimodal):
 
     def pipeline_loss(self, output: Any, target: Any) -> Any:
         return torch.nn.functional.mse_loss(output, target)
+
+
+class FrozenText(Multimodal):
+    """The text encoder frozen (a pretrained one, say), the rest trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text.requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_frozen_encoder_can_be_placed(tmp_path: Path, mode: str) -> None:
+    same_run(tmp_path, hetero(mode=mode, encoders={"text": "cpu0", "image": "device1"}, cpu_fraction=0.3))
+
+
+class TiedText(Multimodal):
+    """A head outside the text encoder that shares its projection's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(12, 8, bias=False)
+        self.head.weight = self.text.out.weight
+
+
+class TwoArguments(Multimodal):
+    def forward(self, batch: dict) -> torch.Tensor:
+        inputs = self.modality_inputs(batch)
+        features = {"image": self.image(inputs["image"], None) if "image" in inputs else None}  # type: ignore[call-arg]
+        return features["image"].sum() * torch.ones(len(batch["y"]), dtype=self.dtype)
+
+
+class Checkpointed(Multimodal):
+    """Activation checkpointing around the encoders: they are computed again in the backward."""
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(super().forward, batch, use_reentrant=False)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (TwoArguments, "with 2 positional and 0 keyword argument"),
+        (Checkpointed, "again during the backward \\(activation checkpointing"),
+    ],
+    ids=["two-arguments", "activation-checkpointing"],
+)
+def test_a_placed_encoder_called_in_a_way_its_host_cannot_answer_is_an_error(tmp_path: Path, model: Any, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        trainer(hetero(encoders={"image": "cpu0"}, cpu_fraction=0.3), max_steps=2).fit(model(), multimodal_data())
+
+
+def test_an_encoder_tied_to_the_rest_of_the_model_stays_split(no_processes: None) -> None:
+    with pytest.raises(ValueError, match="shares parameter 'head.weight'"):
+        HeteroStrategy(stages=["cpu", "cpu"], encoders={"text": "cpu0"}).check_model(TiedText())

@@ -129,3 +129,17 @@ def test_sharding_can_be_turned_off(tmp_path: Path, plain: Net) -> None:
     assert [torch.load(tmp_path / f"rank{r}.pt")["offloaded"] for r in range(3)] == [whole] * 3
     with pytest.raises(ValueError, match="must be True or False"):
         HeteroStrategy(shard_offloaded="yes")
+
+
+def test_layers_added_to_the_optimizer_while_training_keep_their_owners() -> None:
+    """A parameter group added in the second epoch rebuilds the bucket steps: no parameter moves to
+    another owner, so none loses its optimizer state (one bucket: every parameter in it)."""
+    from tests.models import FinetunedNet
+    from tests.test_fine import UnfreezeFirstLayer
+
+    plain = FinetunedNet()
+    trainer(None, max_steps=8, callbacks=[UnfreezeFirstLayer()]).fit(plain, regression_data())
+    model = FinetunedNet()
+    strategy = fine(cpu_workers=2, cpu_fraction=0.5, offload="all", bucket_size_mb=25)
+    trainer(strategy, max_steps=8, callbacks=[UnfreezeFirstLayer()]).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL
