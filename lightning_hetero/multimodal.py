@@ -401,12 +401,10 @@ class EncoderExchange:
         inferring its shapes) gets rows of zeros of the same shape."""
         self._pipelined = pipelined
         remote = {m: host for m, host in self.placement.items() if host != self.me and self._calls(self.me, m)}
+        hosted = [m for m, host in self.placement.items() if host == self.me]
         if clock is not None:
             self._clock = clock
-        if not remote:
-            yield
-            return
-        inputs = self._inputs(share)
+        inputs = self._inputs(share) if remote else {}
         self._received = []
         for modality in remote:
             received = _Received(self._hosts[remote[modality]], self._tags[modality])
@@ -414,11 +412,32 @@ class EncoderExchange:
             if expected is not None:
                 self._received.append(received)
             self.encoders[modality].forward = self._answer(modality, expected, received)  # type: ignore[method-assign]
+        for modality in hosted:
+            self.encoders[modality].forward = self._checked(modality, self.encoders[modality].forward)  # type: ignore[method-assign]
         try:
             yield
         finally:
-            for modality in remote:
+            for modality in [*remote, *hosted]:
                 del self.encoders[modality].forward
+
+    def _check_call(self, modality: str, args: tuple, kwargs: dict) -> None:
+        """What every process (the host too, on its own share) asks of a call of a placed encoder: one
+        input, as its host computes it for the others."""
+        if kwargs or len(args) != 1:
+            raise RuntimeError(
+                f"`{type(self.module).__name__}` called encoder {modality!r} with {len(args)} positional and"
+                f" {len(kwargs)} keyword argument(s); a placed encoder is called with one input,"
+                f" `modality_inputs(batch)[{modality!r}]`, which its host computes it on."
+            )
+
+    def _checked(self, modality: str, forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """The host's own ``forward`` of an encoder it computes for the others, called as they call it."""
+
+        def checked(*args: Any, **kwargs: Any) -> Tensor:
+            self._check_call(modality, args, kwargs)
+            return forward(*args, **kwargs)
+
+        return checked
 
     def _answer(self, modality: str, expected: Any, received: _Received) -> Callable[..., Tensor]:
         """The placed encoder's ``forward`` on this rank: the rows of the output its host sent, in the
@@ -439,12 +458,7 @@ class EncoderExchange:
                     " recomputes it there); a placed encoder's output comes from another process once per step."
                     " Leave this encoder 'split', or checkpoint only modules that do not call it."
                 )
-            if kwargs or len(args) != 1:
-                raise RuntimeError(
-                    f"`{model}` called encoder {modality!r} with {len(args)} positional and {len(kwargs)} keyword"
-                    " argument(s); a placed encoder is called with one input, `modality_inputs(batch)"
-                    f"[{modality!r}]`, which its host computes it on."
-                )
+            self._check_call(modality, args, kwargs)
             given = args[0]
             count = batch_size_of(given)
             if received.leaf is None:
@@ -463,6 +477,7 @@ class EncoderExchange:
             received.offset += count
             return received.leaf[start : start + count]
 
+        forward.answered = True  # type: ignore[attr-defined]
         return forward
 
     def send_gradients(self) -> None:
@@ -615,7 +630,8 @@ class EncoderPacing:
 
     def _pad(self, modality: str, encoder: nn.Module, args: Any, output: Any) -> None:
         started = self._started.pop()
-        if "forward" in encoder.__dict__ or not isinstance(output, Tensor) or modality not in self._seconds:
+        answered = getattr(encoder.__dict__.get("forward"), "answered", False)
+        if answered or not isinstance(output, Tensor) or modality not in self._seconds:
             return  # an output computed elsewhere, answered here
         rest = len(output) * self._seconds[modality] - (time.perf_counter() - started)
         if rest > 0:

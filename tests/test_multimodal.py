@@ -201,7 +201,7 @@ def test_the_monitor_shows_each_encoders_time_and_the_waits_it_caused(tmp_path: 
     from lightning_hetero.callbacks import UtilizationMonitor
     from tests.models import read_metrics
 
-    speeds = {"image@device": 400.0}  # 2.5 ms per image: the others wait for them
+    speeds = {"image@device": 100.0}  # 10 ms per image, far above the rest of a step: the others wait for them
     monitor = UtilizationMonitor(every_n_steps=2, trace_steps=4, save_dir=str(tmp_path), summary=False)
     strategy = hetero(encoders={"image": "device0"}, cpu_fraction=0.3, emulated_speed=speeds)
     trainer(strategy, tmp_path / "logs", max_steps=4, callbacks=[monitor]).fit(Multimodal(), multimodal_data())
