@@ -1,13 +1,15 @@
-"""The offloaded optimizer with one CPU worker vs split between two (``sharding.py``), in one run.
+"""The CPU workers' optimizer with one CPU worker vs split between two (``sharding.py``), in one run.
 
 Fine mode, every bucket offloaded, an MLP whose optimizer step is a large part of a step (6 blocks
 of width ``width``, AdamW, batches of 8), one emulated stage, the CPU workers taking a quarter of
 every batch. With one CPU worker, the stage and the CPU worker each step every offloaded bucket
 (the stage in its host memory); with two, pinned one per core (``cpu_workers=[[0], [1]]``, as
 ``"auto"`` pins one per NUMA node), each owns about half of every bucket's fp32 state, steps it,
-and broadcasts it; and two that each step all of it (``shard_offloaded=False``). Alternating, repeated; reported: the median
-step time, the offloaded step's parameters per second (every CPU worker's bucket steps of a step,
-the slowest process's time), and the offloaded optimizer state each process holds.
+and broadcasts it; and two that each step all of it (``shard_cpu_optimizer=False``). Then coarse mode, where
+every CPU worker steps its replica's optimizer after the sum: two CPU workers splitting it vs two
+stepping all of it. Alternating, repeated; reported: the median step time, fine mode's offloaded
+step's parameters per second (every CPU worker's bucket steps of a step, the slowest process's
+time), and the optimizer state each process holds (offloaded or its own).
 
     python -m benchmarks.sharding [--width W] [--steps S] [--repeats R]
 """
@@ -42,8 +44,9 @@ class OptimizerWork(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
-        steps = [s for s in strategy.bucket_steps if isinstance(s, OffloadStep) and s.optimizer is not None]
-        held = sum(t.numel() for s in steps for state in s.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        steps = [s.optimizer for s in strategy.bucket_steps if isinstance(s, OffloadStep) and s.optimizer is not None]
+        states = [state for o in [*steps, *trainer.optimizers] for state in o.state.values()]
+        held = sum(t.numel() for state in states for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
         records = [sum(b - a for kind, a, b in r.side_spans if kind.endswith("step")) for r in strategy.step_records[3:]]
         everyone = strategy.gather((strategy.role.is_cpu_worker, held, records), dst=0)
         if trainer.is_global_zero:
@@ -54,9 +57,10 @@ class OptimizerWork(L.Callback):
 
 
 def run(width: int, steps: int, workers: Any, results: dict[str, Any], name: str) -> list[float]:
+    mode = "coarse" if name.startswith("coarse") else "fine"
     strategy = HeteroStrategy(
-        mode="fine", offload="all", stages=["cpu"], cpu_workers=workers, cpu_fraction=FRACTION, start_method="fork",
-        shard_offloaded="whole" not in name,
+        mode=mode, offload="all" if mode == "fine" else "auto", stages=["cpu"], cpu_workers=workers, cpu_fraction=FRACTION,
+        start_method="fork", shard_cpu_optimizer="whole" not in name,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "work.json"
@@ -70,14 +74,20 @@ def measure(width: int, steps: int, repeats: int) -> dict[str, dict[str, float]]
     torch.set_num_threads(1)  # this process only launches; keep it fork-safe (see launcher.py)
     cores = sorted(os.sched_getaffinity(0))
     pinned = [[cores[0]], [cores[-1]]]
-    configs = {"one CPU worker": 1, "two CPU workers, split": pinned, "two CPU workers, whole copies": pinned}
+    configs = {
+        "one CPU worker": 1,
+        "two CPU workers, split": pinned,
+        "two CPU workers, whole copies": pinned,
+        "coarse, two CPU workers, split": pinned,
+        "coarse, two CPU workers, whole copies": pinned,
+    }
     results: dict[str, Any] = {}
     times = interleave({name: (lambda n=name, w=w: run(width, steps, w, results, n)) for name, w in configs.items()}, repeats)
     params = sum(p.numel() for p in MLP(width=width).parameters())
     return {
         name: {
             "step_s": statistics.median(times[name]),
-            "params_per_s": params / statistics.median(results[name]["seconds"]),
+            "params_per_s": params / statistics.median(results[name]["seconds"]) if any(results[name]["seconds"]) else 0.0,
             "held": results[name]["held"],
         }
         for name in configs
@@ -93,6 +103,7 @@ def rows(smoke: bool = False) -> list[Row]:
         Row("sharding", "2 CPU workers, split / 1 CPU worker (step time)", two["step_s"] / one["step_s"], "< 1", held(two)),
         Row("sharding", "2 CPU workers, split / 1 CPU worker (offloaded parameters/s)", two["params_per_s"] / one["params_per_s"], "> 1", held(one)),
         Row("sharding", "2 CPU workers, split / 2 CPU workers, whole copies (step time)", two["step_s"] / whole["step_s"], "< 1", held(whole)),
+        Row("sharding", "coarse: 2 CPU workers, split / whole copies (step time)", m["coarse, two CPU workers, split"]["step_s"] / m["coarse, two CPU workers, whole copies"]["step_s"], "< 1", held(m["coarse, two CPU workers, split"])),
     ]  # fmt: skip
 
 
@@ -103,9 +114,10 @@ def main() -> None:
     args = parser.parse_args()
     results = measure(**vars(args))
     params = sum(p.numel() for p in MLP(width=args.width).parameters())
-    print(f"MLP of width {args.width} ({params / 1e6:.1f} M parameters), fine mode, every bucket offloaded, cpu_fraction {FRACTION}")
+    print(f"MLP of width {args.width} ({params / 1e6:.1f} M parameters), fine mode: every bucket offloaded; cpu_fraction {FRACTION}")
     for name, r in results.items():
-        print(f"{name:>24s}: step {r['step_s'] * 1e3:8.2f} ms, offloaded step {r['params_per_s'] / 1e9:6.3f} G params/s, state per process {r['held']}")
+        rate = f"offloaded step {r['params_per_s'] / 1e9:6.3f} G params/s, " if r["params_per_s"] else ""
+        print(f"{name:>38s}: step {r['step_s'] * 1e3:8.2f} ms, {rate}optimizer state per process {r['held']}")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ class StageCheckpoints:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         state = with_offloaded_state(optimizer, self.bucket_steps)
         if self._engine is not None and self._engine.worker.sharding is not None:
-            # Offloaded buckets split between the CPU workers: each one's part to rank 0 (`sharding.py`).
-            state = gather_sharded_state(optimizer, self.bucket_steps, state, self.control_group)
+            # The CPU workers' optimizer split between them: each one's part to rank 0 (`sharding.py`).
+            mine = self._engine.sync.sharded_state(optimizer)
+            state = gather_sharded_state(optimizer, mine, state, self.control_group)
         return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

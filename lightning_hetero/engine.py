@@ -236,6 +236,7 @@ class StepEngine:
             return result
 
         result = step(timed_closure)
+        self.sync.after_update(optimizer)
         if self.state.clock is not None:
             self.state.clock.add_span("optimizer", after_closure, time.perf_counter())
         self._end_record()

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-__all__ = ["NumaNode", "NODES", "numa_nodes", "parse_cpulist", "usable_cpus", "cpu_worker_cores", "check_cpu_cores"]
+__all__ = [
+    "NumaNode",
+    "NODES",
+    "numa_nodes",
+    "parse_cpulist",
+    "format_cpulist",
+    "usable_cpus",
+    "cpu_worker_cores",
+    "check_cpu_cores",
+]
 
 NODES = Path("/sys/devices/system/node")
 """Where Linux lists the NUMA nodes."""
@@ -48,6 +57,17 @@ def parse_cpulist(text: str) -> set[int]:
         first, last = int(match.group(1)), int(match.group(2) or match.group(1))
         cpus.update(range(first, last + 1))
     return cpus
+
+
+def format_cpulist(cores: Sequence[int]) -> str:
+    """Cores as Linux writes them: ``0-3,8``."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def usable_cpus() -> set[int]:

@@ -64,8 +64,9 @@ def place_rank(
     if offers_modalities(module):
         worker.encoders = encoder_exchange(module, topology, placement, node_rank, local_rank, device, timeout)
         worker.encoders.set_placement(plan.encoders)
-    if plan.mode == "fine" and topology.cpu_workers >= 2 and plan.shard_offloaded:
-        worker.sharding = sharding_of(topology, node_rank, local_rank, timeout)
+    owners = topology.cpu_workers * (topology.num_nodes if plan.shard_across_nodes else 1)
+    if plan.shard_cpu_optimizer and owners >= 2:
+        worker.sharding = sharding_of(topology, node_rank, local_rank, plan.shard_across_nodes, timeout)
     return StepEngine(
         worker=worker,
         exchange=ReportExchange(
@@ -99,22 +100,35 @@ def build_sync(
     )
 
 
-def sharding_of(topology: Topology, node_rank: int, local_rank: int, timeout: timedelta) -> Sharding:
-    """How this rank takes part in the offloaded buckets' steps split between its node's CPU workers
-    (``sharding.py``): their ranks, which of them it is, and per stage a group of the stage's sync
-    group's ranks for the updated parameters. Collective: every rank creates every group."""
+def sharding_of(topology: Topology, node_rank: int, local_rank: int, across_nodes: bool, timeout: timedelta) -> Sharding:
+    """How this rank takes part in the CPU workers' optimizer state split between them (``sharding.py``):
+    the owners' ranks (its node's CPU workers, or with ``across_nodes`` every node's), which of them it
+    is, per stage a group of the stage's sync group's ranks (every node's with ``across_nodes``) for
+    the updated parameters of fine mode's buckets, and the owners' group for coarse mode's.
+    Collective: every rank creates every group."""
     global_rank = node_rank * topology.procs_per_node + local_rank
+    sets = [[n] for n in range(topology.num_nodes)] if not across_nodes else [list(range(topology.num_nodes))]
+    mine = next(nodes for nodes in sets if node_rank in nodes)
     groups: dict[int, Optional[dist.ProcessGroup]] = {}
-    for node in range(topology.num_nodes):
-        cpus, stages = topology.cpu_ranks(node), topology.stage_ranks(node)
-        members = [(0, topology.node_ranks(node))] if topology.replicas else [(s, [*cpus, r]) for s, r in enumerate(stages)]
+    workers = None
+    for nodes in sets:
+        cpus = [r for n in nodes for r in topology.cpu_ranks(n)]
+        if topology.replicas:
+            members = [(0, [r for n in nodes for r in topology.node_ranks(n)])]
+        else:
+            members = [(s, [*cpus, *(topology.stage_ranks(n)[s] for n in nodes)]) for s in range(topology.num_stages)]
+        # Groups of their own: the bucket sums run on another thread over the sync groups.
         for stage, ranks in members:
-            # A group of its own: the bucket sums run on another thread over the sync group.
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if node == node_rank and global_rank in ranks:
+            group = dist.new_group(sorted(ranks), backend="gloo", timeout=timeout)
+            if nodes is mine and global_rank in ranks:
                 groups[stage] = group
+        group = dist.new_group(cpus, backend="gloo", timeout=timeout)
+        if nodes is mine:
+            workers = group
     role = topology.role(local_rank)
-    return Sharding(tuple(topology.cpu_ranks(node_rank)), role.index if role.is_cpu_worker else None, groups)
+    cpu_ranks = tuple(r for n in mine for r in topology.cpu_ranks(n))
+    me = cpu_ranks.index(global_rank) if role.is_cpu_worker else None
+    return Sharding(cpu_ranks, me, groups, workers if role.is_cpu_worker else None)
 
 
 def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeout: timedelta) -> ReplicaNorm:

@@ -46,7 +46,8 @@ LAYOUT_ARGUMENTS = (
     "offload",
     "bucket_size_mb",
     "encoders",
-    "shard_offloaded",
+    "shard_cpu_optimizer",
+    "shard_across_nodes",
 )
 """``HeteroStrategy``'s arguments that a plan sets."""
 
@@ -88,9 +89,12 @@ class HeteroPlan:
     the last layers' bucket), or ``"auto"``, ``"none"``, ``"all"`` (see ``HeteroStrategy``)."""
     bucket_size_mb: float = 25.0
     """Fine mode: the parameter size that closes a bucket."""
-    shard_offloaded: bool = True
-    """Fine mode with two or more CPU workers: each offloaded bucket's optimizer state and step split
-    between them (``sharding.py``); ``False``: every CPU worker steps all of it."""
+    shard_cpu_optimizer: bool = True
+    """With two or more CPU workers: the optimizer state they hold (fine mode's offloaded buckets, coarse
+    mode's replicas') and its step split between them (``sharding.py``); ``False``: every CPU worker
+    steps all of it."""
+    shard_across_nodes: bool = False
+    """With several nodes: split it between the CPU workers of every node instead of each node's."""
     dataloader_workers: Optional[int] = None
     """DataLoader worker processes per rank (None: as the DataLoader was built)."""
     encoders: dict[str, str] = field(default_factory=dict)
@@ -242,7 +246,8 @@ class HeteroPlan:
         offload: Any,
         bucket_size_mb: Any,
         encoders: Any = None,
-        shard_offloaded: Any = True,
+        shard_cpu_optimizer: Any = True,
+        shard_across_nodes: Any = False,
     ) -> HeteroPlan:
         """The plan of ``HeteroStrategy``'s layout arguments (see its docstring), after checking each
         one: ``stages`` becomes one device per stage, ``cpu_fraction="auto"`` a number."""
@@ -252,8 +257,14 @@ class HeteroPlan:
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
             raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
         cpu_workers, cpu_cores = _cpu_workers(cpu_workers)
-        if not isinstance(shard_offloaded, bool):
-            raise ValueError(f"`shard_offloaded={shard_offloaded!r}` must be True or False.")
+        for name, value in (("shard_cpu_optimizer", shard_cpu_optimizer), ("shard_across_nodes", shard_across_nodes)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}={value!r}` must be True or False.")
+        if shard_across_nodes and not shard_cpu_optimizer:
+            raise ValueError(
+                "`shard_across_nodes=True` splits the CPU workers' optimizer state between every node's CPU workers,"
+                " and `shard_cpu_optimizer=False` asks for whole copies: drop one of them."
+            )
         _check_int("micro_batches", micro_batches, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)
@@ -271,7 +282,8 @@ class HeteroPlan:
             offload=offload if isinstance(offload, str) else sorted(set(offload)),
             bucket_size_mb=float(bucket_size_mb),
             encoders=check_placement(encoders),
-            shard_offloaded=bool(shard_offloaded),
+            shard_cpu_optimizer=shard_cpu_optimizer,
+            shard_across_nodes=shard_across_nodes,
         )
 
     @classmethod

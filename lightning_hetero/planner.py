@@ -47,6 +47,7 @@ import torch
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
 from lightning_hetero.shares import largest_divisor_at_most, split_batch
+from lightning_hetero.numa import format_cpulist
 from lightning_hetero.topology import Topology, threads_for
 
 if TYPE_CHECKING:
@@ -800,6 +801,8 @@ def explain(
         f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
     )
     rows.append("memory per stage: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    if profile.numa_nodes:
+        rows.append(cpu_workers_line(profile.numa_nodes, plan))
     if loading is not None:
         times, split = loading
         rows.append("")
@@ -828,6 +831,22 @@ def explain(
             " memory per device: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in predicted.memory)
         )
     return "\n".join(rows)
+
+
+def cpu_workers_line(nodes: Sequence[Sequence[int]], plan: HeteroPlan) -> str:
+    """What the plan's CPU workers make of the machine's NUMA nodes (``numa.py``), for ``explain.txt``."""
+    cores = " | ".join(format_cpulist(node) for node in nodes)
+    line = f"CPU: {len(nodes)} NUMA node(s) (cores {cores}); {plan.cpu_workers} CPU worker(s), "
+    if plan.cpu_cores:
+        line += "pinned to cores " + " | ".join(format_cpulist(c) for c in plan.cpu_cores)
+    else:
+        line += "not pinned"
+        if len(nodes) > 1:
+            line += " (cpu_workers='auto' runs one per node, pinned to its cores and memory)"
+    if plan.cpu_workers >= 2:
+        split = "split between them" if plan.shard_cpu_optimizer else "a whole copy in each (shard_cpu_optimizer=False)"
+        line += f"; the optimizer state they hold: {split}"
+    return line
 
 
 def hypothetical_machine(

@@ -3,7 +3,9 @@
 Lightning's precision plugins clip a process's own gradients. In a hetero run a stage holds only
 its slice of the model, so clipping by norm needs the norm over every stage (a collective), and in
 fine mode every bucket has been clipped and stepped during the backward already: the run's
-gradient sync knows both (``sync.py``), and this plugin clips through it. As ``FSDPStrategy`` has
+gradient sync knows both (``sync.py``), and this plugin clips through it. After Lightning's
+``on_before_optimizer_step`` hooks and the clipping it hands the gradients to the sync once more
+(``before_update``), which may drop those this rank does not step (``sharding.py``). As ``FSDPStrategy`` has
 ``FSDPPrecision``, the strategy turns whatever precision Lightning chose into this plugin, of the
 same kind: Lightning's double, half and mixed plugins still do the casts and the autocast, so code
 that looks at the plugin's type (``ThroughputMonitor``) sees what it expects.
@@ -15,25 +17,31 @@ between all workers every step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import torch
+from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["HeteroPrecision", "Clipping"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["HeteroPrecision", "StepSync"]
 
 SUPPORTED = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
-class Clipping(Protocol):
-    """What clips a hetero run's gradients (its gradient sync)."""
+class StepSync(Protocol):
+    """What clips a hetero run's gradients and readies them for the update (its gradient sync)."""
 
     def clip_by_norm(self, params: Sequence[Tensor], max_norm: float) -> None: ...
 
     def clip_by_value(self, params: Sequence[Tensor], value: float) -> None: ...
+
+    def before_update(self, optimizer: Optimizer) -> None: ...
 
 
 class HeteroPrecision(Precision):
@@ -42,7 +50,7 @@ class HeteroPrecision(Precision):
     Make one with ``HeteroPrecision.of(plugin)``; ``HeteroPrecision()`` is ``"32-true"``.
     """
 
-    clipping: Optional[Clipping] = None
+    sync: Optional[StepSync] = None
     """The run's gradient sync, once the strategy has built it."""
 
     @staticmethod
@@ -63,15 +71,23 @@ class HeteroPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        if self.clipping is None:
+        if self.sync is None:
             return super().clip_grad_by_norm(optimizer, clip_val)
-        self.clipping.clip_by_norm(_params(optimizer), float(clip_val))
+        self.sync.clip_by_norm(_params(optimizer), float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        if self.clipping is None:
+        if self.sync is None:
             return super().clip_grad_by_value(optimizer, clip_val)
-        self.clipping.clip_by_value(_params(optimizer), float(clip_val))
+        self.sync.clip_by_value(_params(optimizer), float(clip_val))
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Steppable) -> None:
+        # Lightning's hooks and clipping see every gradient; then the sync may drop those this rank
+        # does not step (a CPU worker's share of a split optimizer, `sharding.py`).
+        super()._after_closure(model, optimizer)
+        if self.sync is not None and isinstance(optimizer, Optimizer):
+            self.sync.before_update(optimizer)
 
 
 class _Double(HeteroPrecision, DoublePrecision):

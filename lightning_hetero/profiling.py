@@ -167,6 +167,8 @@ class Profile:
     (measured; they can get less than the cores, as they share caches and memory bandwidth):
     ``"shared"``, every CPU worker and emulated stage (layouts with a CPU share); ``"stages"``, the
     emulated stages alone (layouts without). Absent: as many as the cores."""
+    numa_nodes: list[list[int]] = field(default_factory=list)
+    """The cores of each NUMA node this process may use (``numa.py``); empty: not recorded."""
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the profile as JSON, whole or not at all (``atomic_write``)."""
@@ -206,6 +208,7 @@ class Profile:
             step_overhead_s=raw.get("step_overhead_s", 0.0),
             step_method_s_per_sample=raw.get("step_method_s_per_sample", 0.0),
             shared_cores=raw.get("shared_cores", {}),
+            numa_nodes=raw.get("numa_nodes", []),
         )
 
 

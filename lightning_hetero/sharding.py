@@ -23,6 +23,21 @@ hyperparameters and learning-rate schedule are the user's, as for any bucket ste
 holds the whole optimizer state as a single process has it: the owners' parts are gathered to
 global rank 0 when it is saved (``gather_sharded_state``), and every rank takes its own part when
 one is loaded, so a run resumes with any number of CPU workers.
+
+[Note: a sharded coarse step]
+In coarse mode every rank steps its own optimizer after the sum: the stages their blocks' on their
+devices, and each CPU worker its whole replica's, on the CPU. With two or more CPU workers they split
+their replicas' step the same way (``ShardedOptimizer``): each owns about 1/N of the parameters
+(``owners`` over the module's parameters), keeps their optimizer state and steps them; the others'
+gradients are dropped once Lightning has clipped them (so ``on_before_optimizer_step`` sees every
+gradient), and after the step each owner broadcasts its parameters to the other CPU workers. The
+stages step as before. A CPU worker kept out of a step (no share of it) is brought up to date from
+the stages as before, the whole state, and drops the others' part at its next step.
+
+With several nodes, ``shard_across_nodes=True`` makes the CPU workers of every node the owners (the
+gradients are summed over the nodes first, as always), so each holds 1/(N x nodes) of the state: ZeRO
+across the data-parallel replicas. The sums still reach every rank (an all-reduce, which the stages
+need for their own steps and the global norm); only the optimizer state and its step are split.
 """
 
 from __future__ import annotations
@@ -36,21 +51,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hetero.offload import BucketStep, OffloadStep, param_index
+from lightning_hetero.offload import OffloadStep, param_index
 from lightning_hetero.topology import gather_object_to
 
-__all__ = ["Sharding", "ShardedStep", "owners", "gather_sharded_state"]
+__all__ = ["Sharding", "ShardedStep", "ShardedOptimizer", "owners", "gather_sharded_state"]
 
 
 @dataclass(frozen=True)
 class Sharding:
-    """How this rank takes part in sharded bucket steps: the global ranks of its node's CPU workers,
-    which of them this rank is (``None`` on a stage or device), and, by stage, the group a sharded
-    bucket's updated parameters are broadcast over (the stage's sync group, a group of its own)."""
+    """How this rank takes part in the CPU workers' split optimizer: the global ranks of the CPU workers
+    that own its parts (its node's, or every node's), which of them this rank is (``None`` on a stage
+    or device), by stage the group a sharded bucket's updated parameters are broadcast over (the
+    stage's sync group, a group of its own; fine mode), and the owners' own group (coarse mode)."""
 
     cpu_ranks: tuple[int, ...]
     me: Optional[int]
     groups: dict[int, Optional[dist.ProcessGroup]]
+    workers: Optional[dist.ProcessGroup] = None
 
 
 def owners(params: Sequence[nn.Parameter], workers: int) -> list[int]:
@@ -92,37 +109,73 @@ class ShardedStep(OffloadStep):
         for p in self.others:
             p.grad = None
         super().step()
-        with torch.no_grad():
-            for owner, params in enumerate(self.by_owner):
-                by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-                for p in params:
-                    by_dtype.setdefault(p.dtype, []).append(p)
-                for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-                    self._share(owner, by_dtype[dtype], dtype)
+        share_updated(self.by_owner, self.sharding, self.group)
 
-    def _share(self, owner: int, params: list[nn.Parameter], dtype: torch.dtype) -> None:
-        """``owner``'s updated ``params`` (of one dtype) on every rank of the bucket (one broadcast)."""
-        mine = owner == self.sharding.me
-        if mine:
-            flat = torch.cat([p.detach().reshape(-1).cpu() for p in params])
-        else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
-        dist.broadcast(flat, self.sharding.cpu_ranks[owner], group=self.group)
-        if not mine:
-            offset = 0
+
+class ShardedOptimizer:
+    """Coarse mode, on a CPU worker: its optimizer steps only the parameters this worker owns, and
+    the owners share what they stepped (see the module's note). ``params``: the replica's parameters
+    (owners over all of them, whether the optimizer has them yet or not)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], sharding: Sharding) -> None:
+        owner = owners(list(params), len(sharding.cpu_ranks))
+        self.mine = {p for p, o in zip(params, owner) if o == sharding.me}
+        self.by_owner = [[p for p, o in zip(params, owner) if o == w] for w in range(len(sharding.cpu_ranks))]
+        self.sharding = sharding
+
+    def before_update(self, optimizer: Optimizer) -> None:
+        """After the gradients are clipped, before the optimizer reads them: the others' parameters are
+        not this worker's to step, and their state (after a refresh or a load) not its to hold."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in self.mine:
+                    p.grad = None
+                    optimizer.state.pop(p, None)
+
+    def after_update(self, optimizer: Optimizer) -> None:
+        """After the optimizer step: every owner's parameters on every CPU worker (those the optimizer
+        trains: a frozen parameter changes nowhere)."""
+        trained = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        by_owner = [[p for p in params if p in trained] for params in self.by_owner]
+        share_updated(by_owner, self.sharding, self.sharding.workers)
+
+    def state(self, optimizer: Optimizer) -> dict[nn.Parameter, Any]:
+        """This worker's part of the optimizer state."""
+        return {p: s for p, s in optimizer.state.items() if p in self.mine}
+
+
+def share_updated(by_owner: Sequence[Sequence[nn.Parameter]], sharding: Sharding, group: Optional[dist.ProcessGroup]) -> None:
+    """Each owner's updated parameters (``by_owner[w]``: CPU worker ``w``'s) on every rank of ``group``:
+    one broadcast per owner and dtype, in the same order on every rank."""
+    with torch.no_grad():
+        for owner, params in enumerate(by_owner):
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype in sorted(by_dtype, key=str):
+                _broadcast(by_dtype[dtype], sharding.cpu_ranks[owner], owner == sharding.me, dtype, group)
+
+
+def _broadcast(params: list[nn.Parameter], src: int, mine: bool, dtype: torch.dtype, group: Optional[dist.ProcessGroup]) -> None:
+    if mine:
+        flat = torch.cat([p.detach().reshape(-1).cpu() for p in params])
+    else:
+        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+    dist.broadcast(flat, src, group=group)
+    if not mine:
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def gather_sharded_state(
-    optimizer: Optimizer, steps: Sequence[BucketStep], state_dict: dict[str, Any], group: dist.ProcessGroup
+    optimizer: Optimizer, mine: dict[nn.Parameter, Any], state_dict: dict[str, Any], group: dist.ProcessGroup
 ) -> dict[str, Any]:
-    """``state_dict`` (this rank's optimizer state with its offloaded buckets') with every CPU worker's
-    part of the sharded buckets' state, on global rank 0 (a collective over ``group``, every rank)."""
+    """``state_dict`` (this rank's optimizer state) with every CPU worker's part of the split state
+    (``mine``: this rank's, by parameter), on global rank 0 (a collective over ``group``, every rank)."""
     index = param_index(optimizer)
-    mine = {index[p][1]: s for step in steps if isinstance(step, ShardedStep) for p, s in step.state().items()}
-    parts = gather_object_to(mine, 0, group)
+    parts = gather_object_to({index[p][1]: s for p, s in mine.items()}, 0, group)
     if parts is None:
         return state_dict
     for part in parts:

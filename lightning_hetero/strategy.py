@@ -102,8 +102,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             (the process of device N) computes that encoder for every worker's share of each batch, while the
             others compute theirs; ``"split"`` (the default for any left out): every worker its own share's
             (``docs/multimodal.md``).
-        shard_offloaded: fine mode with two or more CPU workers: split each offloaded bucket's optimizer state and
-            step between them, ZeRO-style (``docs/cpu-workers.md``); ``False``: each CPU worker steps all of it.
+        shard_cpu_optimizer: with two or more CPU workers, split the optimizer state they hold (fine mode's
+            offloaded buckets, coarse mode's replicas') and its step between them, ZeRO-style
+            (``docs/cpu-workers.md``); ``False``: each CPU worker steps all of it.
+        shard_across_nodes: with several nodes, split it between the CPU workers of every node instead.
         nonfinite: NaN or Inf in any worker's loss or gradients: ``"error"`` ends the run naming the step
             and the workers; ``"skip"`` skips that optimizer step on every rank (``docs/reliability.md``).
         emulated_speed: TESTING ONLY: ``{"cpu": r, "pipeline": q, "image@device": s}`` makes each side's share
@@ -131,7 +133,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         parallelism: Literal["auto", "pipeline", "replicas"] = "auto",
         dataloader_workers: LoaderPolicy = "auto",
         encoders: Optional[Mapping[str, str]] = None,
-        shard_offloaded: bool = True,
+        shard_cpu_optimizer: bool = True,
+        shard_across_nodes: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -301,7 +304,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             check_optimizers(module, self.optimizers, self.mode)
             skip = self._nonfinite == "skip"
             sync = build_sync(self._engine, self._plan, self.topology, self._groups, self.optimizers[0], skip)
-            self.precision_plugin.clipping = self._engine.sync = sync
+            self.precision_plugin.sync = self._engine.sync = sync
             _optimizers_to_device(self.optimizers, self.root_device)
         self.setup_precision_plugin()
         # DeviceStatsMonitor logs from rank 0: every rank's stats travel with the step's results.

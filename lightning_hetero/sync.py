@@ -10,7 +10,9 @@ peers on the other nodes.
 Both modes implement one interface, ``GradSync``, which the step engine calls at the same points
 of every optimizer step (``engine.py``): ``begin`` before the backward of its last batch,
 ``after_backward`` once that backward is done, ``finish`` in Lightning's backward, ``clip_by_norm``
-and ``clip_by_value`` from the precision plugin, ``close`` at teardown. Coarse mode (``CoarseSync``)
+and ``clip_by_value`` from the precision plugin, ``before_update`` after them and ``after_update``
+after the optimizer's step (a CPU worker's share of a split optimizer, ``sharding.py``), ``close`` at
+teardown. Coarse mode (``CoarseSync``)
 sums everything in ``finish``, after the backward. Fine mode (``FineSync``) sums and steps bucket by
 bucket while the backward is still running, and has clipped and stepped everything by
 ``after_backward``.
@@ -40,6 +42,7 @@ from typing_extensions import override
 from lightning_hetero.finite import finite_flag
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 from lightning_hetero.record import StepClock, span
+from lightning_hetero.sharding import ShardedOptimizer, ShardedStep
 
 __all__ = [
     "Arrivals",
@@ -219,6 +222,16 @@ class GradSync:
     def clip_by_value(self, params: Sequence[Tensor], value: float) -> None:
         """Clip every gradient to ``[-value, value]``."""
 
+    def before_update(self, optimizer: Optimizer) -> None:
+        """After the clipping, before the optimizer reads the gradients."""
+
+    def after_update(self, optimizer: Optimizer) -> None:
+        """After the optimizer's step (on every rank, a collective where the CPU workers split it)."""
+
+    def sharded_state(self, optimizer: Optimizer) -> dict[nn.Parameter, Any]:
+        """This rank's part of optimizer state split between the CPU workers (``sharding.py``)."""
+        return {}
+
     def set_threads(self, threads: int) -> None:
         """The torch threads of the sync's own threads, where it has any."""
 
@@ -267,14 +280,17 @@ def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucke
 
 class CoarseSync(GradSync):
     """Coarse mode: after the backward, sum each bucket's gradients over its group (``SumOver``),
-    then average over nodes; clip with the global norm."""
+    then average over nodes; clip with the global norm. ``shards``: on a CPU worker whose optimizer
+    is split with the other CPU workers', its part (``sharding.ShardedOptimizer``)."""
 
     def __init__(
         self,
         buckets: Sequence[SumOver],
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[Sequence[Tensor]], Tensor],
+        shards: Optional[ShardedOptimizer] = None,
     ) -> None:
+        self._shards = shards
         self._buckets = _flat_buckets(buckets, detached=False)
         self._detached_buckets = _flat_buckets(buckets, detached=True)
         params = [p for b in buckets for p in b.params]
@@ -307,6 +323,21 @@ class CoarseSync(GradSync):
         with_grads = [p for p in params if p.grad is not None]
         if with_grads:
             torch.nn.utils.clip_grad_value_(with_grads, value)
+
+    @override
+    def before_update(self, optimizer: Optimizer) -> None:
+        if self._shards is not None:
+            self._shards.before_update(optimizer)
+
+    @override
+    def after_update(self, optimizer: Optimizer) -> None:
+        # The CPU workers keep out of a step they had no share of together, and are refreshed later.
+        if self._shards is not None and self._takes_part:
+            self._shards.after_update(optimizer)
+
+    @override
+    def sharded_state(self, optimizer: Optimizer) -> dict[nn.Parameter, Any]:
+        return self._shards.state(optimizer) if self._shards is not None else {}
 
 
 class FineSync(GradSync):
@@ -406,6 +437,10 @@ class FineSync(GradSync):
     @override
     def abort(self) -> None:
         self._overlap.abort()
+
+    @override
+    def sharded_state(self, optimizer: Optimizer) -> dict[nn.Parameter, Any]:
+        return {p: s for step in self._overlap.steps if isinstance(step, ShardedStep) for p, s in step.state().items()}
 
     @override
     def set_threads(self, threads: int) -> None:

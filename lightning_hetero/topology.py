@@ -22,6 +22,8 @@ import torch.distributed as dist
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
+from lightning_hetero.numa import format_cpulist
+
 __all__ = [
     "Role",
     "Topology",
@@ -132,7 +134,7 @@ class Topology:
     def describe(self) -> str:
         stages = ", ".join(str(d) for d in self.stage_devices)
         kind = "replica(s)" if self.replicas else "stage(s)"
-        pinned = f" on cores {' | '.join(_cpulist(c) for c in self.cpu_cores)}" if self.cpu_cores else ""
+        pinned = f" on cores {' | '.join(format_cpulist(c) for c in self.cpu_cores)}" if self.cpu_cores else ""
         return f"{self.cpu_workers} CPU worker(s){pinned} + {self.num_stages} {kind} [{stages}] x {self.num_nodes} node(s)"
 
     def check_world_size(self, started: int) -> None:
@@ -157,17 +159,6 @@ class Topology:
         """A process, for messages: ``global rank 2 (stage1 of <the layout>)``."""
         rank = node * self.procs_per_node + local_rank
         return f"global rank {rank} ({self.role(local_rank)} of {self.describe()})"
-
-
-def _cpulist(cores: Sequence[int]) -> str:
-    """Cores as Linux writes them: ``0-3,8``."""
-    runs: list[list[int]] = []
-    for core in sorted(cores):
-        if runs and core == runs[-1][1] + 1:
-            runs[-1][1] = core
-        else:
-            runs.append([core, core])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def usable_cores() -> int:

@@ -43,7 +43,7 @@ from lightning_hetero.batchnorm import revert as revert_batch_norm
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
 from lightning_hetero.multimodal import EncoderExchange, in_backward
 from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, choose_offloaded
-from lightning_hetero.sharding import Sharding, ShardedStep
+from lightning_hetero.sharding import ShardedOptimizer, Sharding, ShardedStep
 from lightning_hetero.pipeline import Pipeline, StageModule
 from lightning_hetero.record import span
 from lightning_hetero.results import LogCapture, WorkerReport
@@ -177,7 +177,7 @@ class Worker:
         self.encoders: Optional[EncoderExchange] = None
         """This rank's part in a multimodal model's placed encoders (``multimodal.py``), where it has any."""
         self.sharding: Optional[Sharding] = None
-        """How this rank takes part in offloaded buckets split between the CPU workers (``sharding.py``)."""
+        """How this rank takes part in the optimizer state split between the CPU workers (``sharding.py``)."""
 
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each used parameter receives in this step's backward."""
@@ -260,11 +260,14 @@ class Worker:
     ) -> GradSync:
         """The mode's gradient sync for what this rank sums (``sync_buckets``) or steps (``owns``);
         which fine-mode buckets are offloaded is decided alike on every rank (``choose_offloaded``,
-        a collective over ``control``). With ``sharding`` (several CPU workers), an offloaded bucket's
-        step is split between them (``sharding.py``; tied parameters' buckets excepted), and they
-        take part in every step."""
+        a collective over ``control``). With ``sharding`` (several CPU workers), the CPU workers split
+        their optimizer state and step (``sharding.py``): in coarse mode their replicas', in fine mode
+        the offloaded buckets' (tied parameters' buckets excepted), and then they take part in every step."""
         if mode == "coarse":
-            return CoarseSync(self.sync_buckets(), replica_group, norm)
+            shards = None
+            if sharding is not None and sharding.me is not None:
+                shards = ShardedOptimizer(list(self.module.parameters()), sharding)
+            return CoarseSync(self.sync_buckets(), replica_group, norm, shards)
         place = self.placement
         buckets, params = zip(*place.buckets(bucket_bytes))
         own = [b for b in buckets if self.owns(b)]

@@ -67,6 +67,28 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mp, "start_processes", refuse)
 
 
+class OptimizerMemory(L.Callback):
+    """Every rank writes the elements of optimizer state it holds (tensors of one or more dimensions) to
+    ``out/optimizer{global rank}.pt``: its offloaded bucket steps' (``offloaded``) and its optimizer's
+    (``user``), and whether every offloaded step is split between the CPU workers (``sharded``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_hetero.offload import OffloadStep
+        from lightning_hetero.sharding import ShardedStep
+
+        def elements(states: Any) -> int:
+            return sum(t.numel() for state in states for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+
+        offloaded = [s for s in trainer.strategy.bucket_steps if isinstance(s, OffloadStep)]
+        held = elements(state for s in offloaded if s.optimizer is not None for state in s.optimizer.state.values())
+        user = elements(trainer.optimizers[0].state.values())
+        sharded = all(isinstance(s, ShardedStep) for s in offloaded)
+        torch.save({"offloaded": held, "user": user, "sharded": sharded}, self.out / f"optimizer{trainer.global_rank}.pt")
+
+
 class RecordCopies(L.Callback):
     """Every rank writes the parameters and buffers it holds after every training batch (invariant 3's evidence).
 

@@ -4,7 +4,7 @@ Run by tests/test_launchers.py under torchrun, under a simulated SLURM srun, and
 strategy's own "popen" launch (which runs this script again for every other rank). Usage:
 
     python tests/external_launch.py OUT_DIR [--popen | --string] [--unseeded] [--num-nodes N] [--fine]
-        [--fault RANK:STEP:HOW] [--resume CKPT_DIR] [--analyzer]
+        [--cpu-workers N] [--shard-across-nodes] [--fault RANK:STEP:HOW] [--resume CKPT_DIR] [--analyzer]
 
 Rank 0 writes OUT_DIR/state.pt (the trained weights) and OUT_DIR/environment.txt; every rank
 writes OUT_DIR/rank{N}.pt with the model it holds after fit and OUT_DIR/output{N}.pt with the
@@ -24,7 +24,10 @@ each process), then fits with a `WorkloadAnalyzer`: the layout stays as validati
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
-`BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`).
+`BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
+runs N CPU workers per node; `--shard-across-nodes` splits their optimizer state between every
+node's (`shard_across_nodes=True`); every rank writes the optimizer state it held to
+OUT_DIR/optimizer{N}.pt (`tests.conftest.OptimizerMemory`).
 """
 
 import argparse
@@ -39,7 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hetero.callbacks import WorkloadAnalyzer  # noqa: E402
-from tests.conftest import Fault, hetero, trainer  # noqa: E402
+from tests.conftest import Fault, OptimizerMemory, hetero, trainer  # noqa: E402
 from tests.models import BatchNormNet, Net, TiedNet, regression_data  # noqa: E402
 
 
@@ -64,16 +67,20 @@ def main() -> None:
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
+    parser.add_argument("--cpu-workers", type=int, default=1)
+    parser.add_argument("--shard-across-nodes", action="store_true")
     args = parser.parse_args()
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
     model = {"tied": TiedNet, "batchnorm": BatchNormNet}.get(args.model, Net)(seed=None if args.unseeded else 0)
     model = model.to(torch.float64 if args.resume else torch.float32)
-    layout = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
+    layout: dict = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
+    if args.cpu_workers != 1 or args.shard_across_nodes:
+        layout.update(cpu_workers=args.cpu_workers, shard_across_nodes=args.shard_across_nodes)
     if args.model in ("replicas", "batchnorm"):
         layout["parallelism"] = "replicas"
     start_method = "popen" if args.popen else "fork"
     strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method=start_method, **layout)
-    callbacks: list = [WritePid(args.out_dir)]
+    callbacks: list = [WritePid(args.out_dir), OptimizerMemory(args.out_dir)]
     if args.fault:
         rank, step, how = args.fault.split(":")
         callbacks.append(Fault(int(rank), int(step), how, once=args.out_dir / "fault.done"))

@@ -111,6 +111,11 @@ def test_analyzer_plans_and_training_stays_equivalent(tmp_path: Path, mode: str)
     assert profile.step_method_s_per_sample >= 0
     explanation = (logs / "explain.txt").read_text()
     assert "layers.0" in explanation and "predicted" in explanation and "measured" in explanation
+    # The machine's NUMA nodes, as numa.py reads them, and what the CPU workers make of them.
+    from lightning_hetero.numa import numa_nodes
+
+    assert profile.numa_nodes == [list(node.cpus) for node in numa_nodes()]
+    assert f"CPU: {len(profile.numa_nodes)} NUMA node(s)" in explanation
 
     hparams = yaml.safe_load((logs / "hparams.yaml").read_text())
     assert hparams["hetero_plan"]["mode"] == mode and hparams["hetero_predicted_step_s"] == plan.predicted_step_s

@@ -160,6 +160,35 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str, model: 
     assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
 
 
+@pytest.mark.parametrize(
+    ("mode", "cpu_workers", "across"),
+    [("fine", 1, True), ("coarse", 2, True), ("fine", 2, False)],
+    ids=["fine-1-across", "coarse-2-across", "fine-2-per-node"],
+)
+def test_two_nodes_split_the_cpu_workers_optimizer(tmp_path: Path, mode: str, cpu_workers: int, across: bool) -> None:
+    """ZeRO across the data-parallel nodes (`shard_across_nodes=True`): the CPU workers of both nodes
+    split the optimizer state they hold (coarse mode: every parameter's; fine mode: the offloaded
+    bucket's), each holding its part, together once; or each node's CPU workers split it. The run is
+    DDP's on two processes."""
+    ddp = Net().double()
+    trainer("ddp_fork", accelerator="cpu", devices=2, max_steps=6).fit(ddp, regression_data(n=48))
+    script = [str(SCRIPT), str(tmp_path), "--num-nodes=2", f"--cpu-workers={cpu_workers}"]
+    script += [*(["--fine"] if mode == "fine" else []), *(["--shard-across-nodes"] if across else [])]
+    per_node = cpu_workers + 2
+    assert torchrun_nodes(script, per_node=per_node) == [0, 0]
+    assert max_param_diff(ddp.state_dict(), torch.load(tmp_path / "state.pt")) < TOL
+    assert_every_rank_holds_the_model(tmp_path, ranks=2 * per_node)
+    # Adam's two moments: of every parameter (coarse), of the last layer's, its offloaded bucket (fine).
+    held_params = list(Net().parameters()) if mode == "coarse" else list(Net().layers[4].parameters())
+    whole = 2 * sum(p.numel() for p in held_params)
+    key = "user" if mode == "coarse" else "offloaded"
+    held = [[torch.load(tmp_path / f"optimizer{n * per_node + i}.pt")[key] for i in range(cpu_workers)] for n in (0, 1)]
+    parts = [h for node in held for h in node] if across else held[0]
+    assert sum(parts) == whole and 0 < min(parts) and max(parts) < whole, held
+    if not across:
+        assert held[1] == held[0]
+
+
 def test_two_nodes_of_replicas_take_batchnorm_statistics_over_the_global_batch(tmp_path: Path) -> None:
     """With `sync_batchnorm=True`, the statistics span both nodes' batches, as DDP's SyncBatchNorm
     takes them: the run is one process's on batches of both nodes' samples together."""

@@ -118,3 +118,20 @@ def test_pinned_cpu_workers_run_on_their_cores_and_train_the_one_process_model(t
     ranks: list[Any] = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
     assert ranks[0] == {"cores": [first], "threads": 1} and ranks[1] == {"cores": [second], "threads": 1}
     assert len(ranks[2]["cores"]) == len(os.sched_getaffinity(0))  # the device's process is not pinned
+
+
+def test_the_plans_explanation_says_what_the_cpu_workers_make_of_the_nodes() -> None:
+    """`explain.txt`'s CPU line: the nodes the analyzer found, the CPU workers and their cores, and
+    what `cpu_workers="auto"` would do where the workers are not pinned to the nodes."""
+    from lightning_hetero.planner import cpu_workers_line
+
+    nodes = [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    line = cpu_workers_line(nodes, HeteroPlan(cpu_workers=1))
+    assert line == (
+        "CPU: 2 NUMA node(s) (cores 0-3,8-11 | 4-7,12-15); 1 CPU worker(s), not pinned"
+        " (cpu_workers='auto' runs one per node, pinned to its cores and memory)"
+    )
+    pinned = cpu_workers_line(nodes, HeteroPlan(cpu_workers=2, cpu_cores=nodes))
+    assert pinned.endswith("2 CPU worker(s), pinned to cores 0-3,8-11 | 4-7,12-15; the optimizer state they hold: split between them")
+    whole = cpu_workers_line([[0, 1]], HeteroPlan(cpu_workers=2, shard_cpu_optimizer=False))
+    assert whole == "CPU: 1 NUMA node(s) (cores 0-1); 2 CPU worker(s), not pinned; the optimizer state they hold: a whole copy in each (shard_cpu_optimizer=False)"

@@ -57,7 +57,7 @@ class Recorder:
 
 def test_clipping_goes_through_the_runs_gradient_sync() -> None:
     plugin = HeteroPrecision.of(DoublePrecision())
-    plugin.clipping = clipping = Recorder()  # type: ignore[assignment]
+    plugin.sync = clipping = Recorder()  # type: ignore[assignment]
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     plugin.clip_gradients(optimizer, 0.5, "norm")  # type: ignore[arg-type]
     plugin.clip_gradients(optimizer, 0.25, "value")  # type: ignore[arg-type]

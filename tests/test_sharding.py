@@ -1,7 +1,8 @@
-"""The offloaded optimizer split between the CPU workers (ZeRO-style, `sharding.py`): with 2 or 3 CPU
-workers each owns about a third of every offloaded bucket's state and steps it for everyone; the model
-is the one a single process trains (float64, 1e-10); no process holds a whole copy of the offloaded
-state; checkpoints hold the whole state and resume with any number of CPU workers."""
+"""The CPU workers' optimizer split between them (ZeRO-style, `sharding.py`): with 2 or 3 CPU workers
+each owns about a half or a third of the state they hold (fine mode: every offloaded bucket's, which
+they step for everyone; coarse mode: their replicas') and steps it; the model is the one a single
+process trains (float64, 1e-10); no CPU worker holds a whole copy; checkpoints hold the whole state and
+resume with any number of CPU workers. Across nodes: tests/test_launchers.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.offload import OffloadStep
-from lightning_hetero.sharding import ShardedStep, owners
-from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from lightning_hetero.sharding import owners
+from tests.conftest import OptimizerMemory, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
 
 TOL = 1e-10
@@ -27,6 +27,11 @@ def fine(**kwargs: Any) -> HeteroStrategy:
     kwargs.setdefault("bucket_size_mb", TINY_BUCKETS)
     kwargs.setdefault("stages", ["cpu"])
     return hetero(mode="fine", **kwargs)
+
+
+def coarse(**kwargs: Any) -> HeteroStrategy:
+    kwargs.setdefault("stages", ["cpu"])
+    return hetero(**kwargs)
 
 
 def fit(strategy: Any, steps: int = 8, callbacks: list | None = None, ckpt: Path | None = None, **kwargs: Any) -> Net:
@@ -47,7 +52,7 @@ def test_owners_share_the_elements_out() -> None:
     assert owners(params, 1) == [0] * 5
 
 
-@pytest.mark.parametrize("offload", ["all", [0, 2]], ids=["all", "mixed"])
+@pytest.mark.parametrize("offload", ["all", [0, 2], "none"], ids=["all", "mixed", "none"])
 @pytest.mark.parametrize("cpu_workers", [2, 3])
 @pytest.mark.parametrize(
     "layout", [dict(cpu_fraction=0.0), dict(cpu_fraction=0.5), dict(stages=["cpu", "cpu"], cpu_fraction=0.4)],
@@ -61,30 +66,50 @@ def test_split_between_cpu_workers_trains_the_one_process_model(
     assert max_param_diff(plain, model) < TOL
 
 
+@pytest.mark.parametrize("cpu_workers", [2, 3])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(cpu_fraction=0.0),
+        dict(cpu_fraction=0.5),
+        dict(stages=["cpu", "cpu"], cpu_fraction=0.4),
+        dict(stages=["cpu", "cpu"], parallelism="replicas", cpu_fraction=0.3),
+    ],
+    ids=["cpu-without-a-share", "shared", "pipeline", "replicas"],
+)
+def test_coarse_mode_splits_the_cpu_workers_step_and_trains_the_one_process_model(
+    tmp_path: Path, plain: Net, cpu_workers: int, layout: dict
+) -> None:
+    model = fit(coarse(cpu_workers=cpu_workers, **layout), callbacks=[RecordCopies(tmp_path)])
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL
+
+
+def test_coarse_mode_with_clipping_accumulation_and_a_share_that_comes_and_goes(tmp_path: Path) -> None:
+    """Clipping by norm and by value see every gradient; a CPU worker kept out of some steps (no
+    share) is brought up to date, the whole state, and drops the others' part at its next step."""
+    from tests.test_replicas import assert_same_run
+
+    assert_same_run(tmp_path, coarse(cpu_workers=2, cpu_fraction=0.3), accumulate_grad_batches=2, gradient_clip_val=0.05)
+    clipped = dict(gradient_clip_val=0.02, gradient_clip_algorithm="value")
+    assert max_param_diff(fit(None, **clipped), fit(coarse(cpu_workers=3, cpu_fraction=0.4), **clipped)) < TOL
+    model = fit(coarse(cpu_workers=2, cpu_fraction=0.5), callbacks=[ShareComesAndGoes()])
+    assert max_param_diff(fit(None), model) < TOL
+
+
+class ShareComesAndGoes(L.Callback):
+    """The CPU workers' share: none in steps 2-4, half again from step 5 on."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        trainer.strategy.set_cpu_fraction(0.0 if 2 <= trainer.global_step <= 4 else 0.5)
+
+
 def test_with_clipping_accumulation_and_replicas(tmp_path: Path) -> None:
     from tests.test_replicas import assert_same_run
 
     strategy = fine(cpu_workers=2, offload="all", stages=["cpu", "cpu"], parallelism="replicas", cpu_fraction=0.3)
     assert_same_run(tmp_path, strategy, accumulate_grad_batches=2, gradient_clip_val=0.05)
     assert max_param_diff(fit(None, gradient_clip_val=0.05), fit(fine(cpu_workers=3, offload="all", cpu_fraction=0.3), gradient_clip_val=0.05)) < TOL
-
-
-class OptimizerMemory(L.Callback):
-    """Every rank writes the elements of optimizer state it holds: its bucket steps' and its optimizer's."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        steps = trainer.strategy.bucket_steps
-        offloaded = [s for s in steps if isinstance(s, OffloadStep)]
-        held = sum(
-            t.numel() for s in offloaded if s.optimizer is not None for state in s.optimizer.state.values()
-            for t in state.values() if torch.is_tensor(t) and t.dim() > 0
-        )  # fmt: skip
-        user = sum(t.numel() for state in trainer.optimizers[0].state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        sharded = all(isinstance(s, ShardedStep) for s in offloaded)
-        torch.save({"offloaded": held, "user": user, "sharded": sharded}, self.out / f"rank{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("cpu_workers", [1, 2, 3])
@@ -94,7 +119,7 @@ def test_each_cpu_worker_holds_its_part_of_the_offloaded_state(tmp_path: Path, c
     every offloaded bucket (the layout of fine mode before sharding)."""
     strategy = fine(cpu_workers=cpu_workers, offload="all", cpu_fraction=0.5, bucket_size_mb=25)  # one bucket
     fit(strategy, callbacks=[OptimizerMemory(tmp_path)])
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(cpu_workers + 1)]
+    ranks = [torch.load(tmp_path / f"optimizer{r}.pt") for r in range(cpu_workers + 1)]
     whole = 2 * sum(p.numel() for p in Net().parameters())
     assert all(r["user"] == 0 for r in ranks)  # nothing offloaded is in the user's optimizer
     if cpu_workers == 1:
@@ -108,27 +133,55 @@ def test_each_cpu_worker_holds_its_part_of_the_offloaded_state(tmp_path: Path, c
     assert sum(held) == whole and max(held) - min(held) <= largest and 0 < min(held) and max(held) < whole
 
 
-def test_checkpoints_hold_the_whole_state_and_resume_with_any_number_of_cpu_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpu_workers", [1, 2, 3])
+def test_in_coarse_mode_each_cpu_worker_holds_its_part_of_its_replicas_state(tmp_path: Path, cpu_workers: int) -> None:
+    """Adam's two moments of every parameter: each CPU worker holds its owned part, together once; the
+    stage steps its own blocks on its device and holds their whole state."""
+    fit(coarse(cpu_workers=cpu_workers, cpu_fraction=0.5), callbacks=[OptimizerMemory(tmp_path)])
+    ranks = [torch.load(tmp_path / f"optimizer{r}.pt")["user"] for r in range(cpu_workers + 1)]
+    whole, largest = 2 * sum(p.numel() for p in Net().parameters()), 2 * max(p.numel() for p in Net().parameters())
+    workers, stage = ranks[:cpu_workers], ranks[cpu_workers]
+    assert stage == whole
+    if cpu_workers == 1:
+        assert workers == [whole]
+        return
+    assert sum(workers) == whole and max(workers) - min(workers) <= largest and 0 < min(workers) and max(workers) < whole
+
+
+@pytest.mark.parametrize("mode", ["fine", "coarse"])
+def test_checkpoints_hold_the_whole_state_and_resume_with_any_number_of_cpu_workers(tmp_path: Path, mode: str) -> None:
+    def strategy(workers: int) -> HeteroStrategy:
+        return fine(cpu_workers=workers, offload="all", cpu_fraction=0.5) if mode == "fine" else coarse(cpu_workers=workers, cpu_fraction=0.5)
+
     saving = ModelCheckpoint(tmp_path / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
-    fit(fine(cpu_workers=2, offload="all", cpu_fraction=0.5), steps=4, callbacks=[saving], enable_checkpointing=True)
+    fit(strategy(2), steps=4, callbacks=[saving], enable_checkpointing=True)
     checkpoint = tmp_path / "ckpt" / "step=4.ckpt"
     state = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
     assert len(state) == len(list(Net().parameters()))  # every parameter's, gathered from both owners
     reference = fit(None, ckpt=checkpoint)  # an ordinary checkpoint: a plain Trainer resumes it
     for workers in (3, 1):
-        resumed = fit(fine(cpu_workers=workers, offload="all", cpu_fraction=0.5), ckpt=checkpoint)
+        resumed = fit(strategy(workers), ckpt=checkpoint)
         assert max_param_diff(reference, resumed) < TOL, workers
 
 
-def test_sharding_can_be_turned_off(tmp_path: Path, plain: Net) -> None:
-    """`shard_offloaded=False`: every CPU worker and the stage step the whole offloaded state, as before."""
-    strategy = fine(cpu_workers=2, offload="all", cpu_fraction=0.5, bucket_size_mb=25, shard_offloaded=False)
+@pytest.mark.parametrize("mode", ["fine", "coarse"])
+def test_sharding_can_be_turned_off(tmp_path: Path, plain: Net, mode: str) -> None:
+    """`shard_cpu_optimizer=False`: every CPU worker steps the whole state it holds, as before."""
+    strategy = hetero(mode=mode, stages=["cpu"], cpu_workers=2, cpu_fraction=0.5, shard_cpu_optimizer=False)
+    if mode == "fine":
+        strategy = fine(cpu_workers=2, offload="all", cpu_fraction=0.5, bucket_size_mb=25, shard_cpu_optimizer=False)
     model = fit(strategy, callbacks=[OptimizerMemory(tmp_path)])
     assert max_param_diff(plain, model) < TOL
     whole = 2 * sum(p.numel() for p in Net().parameters())
-    assert [torch.load(tmp_path / f"rank{r}.pt")["offloaded"] for r in range(3)] == [whole] * 3
+    held = [torch.load(tmp_path / f"optimizer{r}.pt") for r in range(3)]
+    assert [r["offloaded" if mode == "fine" else "user"] for r in held] == [whole] * 3
+
+
+def test_bad_sharding_options_are_refused_before_any_process_starts(no_processes: None) -> None:
     with pytest.raises(ValueError, match="must be True or False"):
-        HeteroStrategy(shard_offloaded="yes")
+        HeteroStrategy(shard_cpu_optimizer="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="drop one of them"):
+        HeteroStrategy(shard_cpu_optimizer=False, shard_across_nodes=True)
 
 
 def test_layers_added_to_the_optimizer_while_training_keep_their_owners() -> None:

@@ -65,6 +65,7 @@ from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
+from lightning_hetero.numa import numa_nodes
 from lightning_hetero.topology import Role, gather_object_to, threads_for, usable_cores
 
 if TYPE_CHECKING:
@@ -399,6 +400,7 @@ class WorkloadAnalyzer(L.Callback):
             device_memory=memory,
             step_overhead_s=max(part["exchange_s"] for part in parts),
             shared_cores=_shared_cores(parts, cores),
+            numa_nodes=[list(node.cpus) for node in numa_nodes()],
         )
         layouts = compare_layouts(
             profile,
