@@ -98,7 +98,7 @@ def rows(smoke: bool = False) -> list[Row]:
     sizes = dict(width=128, steps=6, repeats=1) if smoke else {}
     m = measure(**{**DEFAULTS, **sizes})
     one, two, whole = m["one CPU worker"], m["two CPU workers, split"], m["two CPU workers, whole copies"]
-    held = lambda r: f"offloaded state per process (CPU workers, then the stage): {r['held']}"  # noqa: E731
+    held = lambda r: f"optimizer state per process (CPU workers, then the stage): {r['held']}"  # noqa: E731
     return [
         Row("sharding", "2 CPU workers, split / 1 CPU worker (step time)", two["step_s"] / one["step_s"], "< 1", held(two)),
         Row("sharding", "2 CPU workers, split / 1 CPU worker (offloaded parameters/s)", two["params_per_s"] / one["params_per_s"], "> 1", held(one)),
