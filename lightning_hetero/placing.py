@@ -110,6 +110,7 @@ def sharding_of(topology: Topology, node_rank: int, local_rank: int, across_node
     sets = [[n] for n in range(topology.num_nodes)] if not across_nodes else [list(range(topology.num_nodes))]
     mine = next(nodes for nodes in sets if node_rank in nodes)
     groups: dict[int, Optional[dist.ProcessGroup]] = {}
+    sums: dict[int, Optional[dist.ProcessGroup]] = {}
     workers = None
     for nodes in sets:
         cpus = [r for n in nodes for r in topology.cpu_ranks(n)]
@@ -117,18 +118,20 @@ def sharding_of(topology: Topology, node_rank: int, local_rank: int, across_node
             members = [(0, [r for n in nodes for r in topology.node_ranks(n)])]
         else:
             members = [(s, [*cpus, *(topology.stage_ranks(n)[s] for n in nodes)]) for s in range(topology.num_stages)]
-        # Groups of their own: the bucket sums run on another thread over the sync groups.
+        # Groups of their own: the broadcasts run on the step thread, the reduces on the sum thread,
+        # beside the sync groups' sums.
         for stage, ranks in members:
-            group = dist.new_group(sorted(ranks), backend="gloo", timeout=timeout)
-            if nodes is mine and global_rank in ranks:
-                groups[stage] = group
+            for found in (groups, sums):
+                group = dist.new_group(sorted(ranks), backend="gloo", timeout=timeout)
+                if nodes is mine and global_rank in ranks:
+                    found[stage] = group
         group = dist.new_group(cpus, backend="gloo", timeout=timeout)
         if nodes is mine:
             workers = group
     role = topology.role(local_rank)
     cpu_ranks = tuple(r for n in mine for r in topology.cpu_ranks(n))
     me = cpu_ranks.index(global_rank) if role.is_cpu_worker else None
-    return Sharding(cpu_ranks, me, groups, workers if role.is_cpu_worker else None)
+    return Sharding(cpu_ranks, me, groups, workers if role.is_cpu_worker else None, sums, nodes=len(mine))
 
 
 def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeout: timedelta) -> ReplicaNorm:

@@ -10,8 +10,11 @@ shares it between data-parallel ranks:
 1. each of the bucket's parameters has one *owner*, a CPU worker (``owners``: whole parameters,
    the largest first to the least loaded worker, so each owns about 1/N of the bucket; the same
    on every rank);
-2. the bucket's gradients are summed over the stage and the CPU workers as before, and each CPU
-   worker keeps the sums of the parameters it owns (the others' are dropped);
+2. the gradients of each owner's parameters are reduced to it alone, over the stage and the CPU
+   workers (``sync.OwnerSums``: ZeRO stage 2's reduce, one per owner, where an all-reduce would
+   send every sum to every process); the others are dropped. Where the steps wait for the global
+   norm (clipping by norm, ``nonfinite="skip"``), the bucket is all-reduced as any other instead:
+   the norm is taken from the stage's summed gradients;
 3. the owner steps its parameters with its part of the optimizer state, in its own memory (its
    socket's, where it is pinned);
 4. every owner in turn broadcasts its updated parameters to the bucket's other ranks (the stage,
@@ -43,7 +46,7 @@ need for their own steps and the global norm); only the optimizer state and its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -68,6 +71,12 @@ class Sharding:
     me: Optional[int]
     groups: dict[int, Optional[dist.ProcessGroup]]
     workers: Optional[dist.ProcessGroup] = None
+    sums: dict[int, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    """By stage, the same ranks as ``groups`` in a group of their own, over which a sharded bucket's
+    gradients are reduced to their owners (on the sum thread, while the step thread broadcasts)."""
+    nodes: int = 1
+    """The nodes whose CPU workers are the owners (``shard_across_nodes``), over which the reduced
+    gradients are averaged."""
 
 
 def owners(params: Sequence[nn.Parameter], workers: int) -> list[int]:
@@ -100,6 +109,7 @@ class ShardedStep(OffloadStep):
         self.by_owner = [[p for p in bucket if owner[p] == w] for w in range(len(sharding.cpu_ranks))]
         self.sharding = sharding
         self.group = sharding.groups[stage]
+        self.sums_group = sharding.sums.get(stage)
 
     def grad_holders(self) -> list[Tensor]:
         # Every gradient of the bucket this rank holds: clipping by norm scales them all alike.

@@ -50,6 +50,7 @@ __all__ = [
     "GradSync",
     "CoarseSync",
     "FineSync",
+    "OwnerSums",
     "GlobalNorm",
     "Clipping",
     "clip_to_norm",
@@ -270,6 +271,41 @@ class SumOver:
     the first stage that holds them only."""
 
 
+class OwnerSums:
+    """A sharded bucket's gradients summed on their owners only (``sharding.py``, ZeRO stage 2): each
+    owner's parameters packed apart and reduced to it over the bucket's ranks (``ShardedStep.sums_group``),
+    then, where each node's CPU workers own the state, averaged between the owners of the nodes
+    (``replica_group``), or, where every node's do, divided by the number of nodes. Every rank
+    packs and sends; only an owner unpacks, into its masters."""
+
+    def __init__(self, step: ShardedStep, replica_group: dist.ProcessGroup | None) -> None:
+        self.step = step
+        group = step.sums_group
+        assert group is not None
+        self.parts = [(w, _FlatBucket(params, group)) for w, params in enumerate(step.by_owner) if params]
+        across = step.sharding.nodes > 1
+        self.replica_group = replica_group if not across else None
+        divisor = step.sharding.nodes if across else dist.get_world_size(replica_group) if replica_group else 1
+        for _, flat in self.parts:
+            flat.divisor = divisor
+
+    def start(self, ready: Any) -> list[Any]:
+        """Start every owner's reduce (``ready``: the CUDA event after which the gradients are final)."""
+        ranks = self.step.sharding.cpu_ranks
+        return [dist.reduce(flat.pack(ready), dst=ranks[w], group=flat.group, async_op=True) for w, flat in self.parts]
+
+    def finish(self, works: list[Any]) -> None:
+        """Wait for the reduces; on an owner, its sums (averaged over the nodes) into its masters."""
+        for work in works:
+            work.wait()
+        for w, flat in self.parts:
+            if w != self.step.sharding.me:
+                continue
+            if self.replica_group is not None:
+                dist.all_reduce(flat.buffer, group=self.replica_group)
+            flat.unpack(self.step.gradient_destination)
+
+
 def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucket]:
     return [
         _FlatBucket(b.params, group)
@@ -408,6 +444,11 @@ class FineSync(GradSync):
     def stepped_early(self) -> int:
         """Buckets of the last optimizer step whose step had finished before its backward returned."""
         return self._overlap.stepped_early
+
+    @property
+    def reduced_to_owners(self) -> int:
+        """Buckets of the last optimizer step whose gradients were reduced to their owners only (``sharding.py``)."""
+        return self._overlap.reduced_to_owners
 
     @override
     def begin(self, arrivals: Arrivals, clipping: Clipping, detached: bool, takes_part: bool) -> bool:
@@ -571,6 +612,7 @@ class _Overlap:
         }
         self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
         self._steps = [step for _, step in entries]
+        self._owners = [OwnerSums(s, replica_group) if isinstance(s, ShardedStep) else None for s in self._steps]
         self._norm = norm
         self._skip_nonfinite = skip_nonfinite
         devices = {p.device for params in self._params for p in params if p.device.type == "cuda"}
@@ -591,6 +633,8 @@ class _Overlap:
         """``("bucket <k> step", start, end)`` of each bucket step of the last optimizer step."""
         self.grads_finite = True
         """Whether this rank's own gradients were finite in the last optimizer step's backward."""
+        self.reduced_to_owners = 0
+        """Buckets of the last optimizer step whose gradients went to their owners only (``OwnerSums``)."""
         self.skipped = False
         """Whether the last optimizer step was skipped on every rank (``skip_nonfinite``)."""
 
@@ -624,6 +668,7 @@ class _Overlap:
         self.step_seconds = 0.0
         self.step_spans = []
         self.skipped = False
+        self.reduced_to_owners = 0
         self._armed = True
         self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
 
@@ -707,6 +752,11 @@ class _Overlap:
 
     def _start_sum(self, k: int, ready: Any) -> Any:
         self._check_finite(k, ready)
+        owners = self._owners[k]
+        if owners is not None and not self._deferred:
+            # A sharded bucket steps on its owners only: its sums go to them alone. Where the steps
+            # wait for the global norm, it is summed everywhere, as the norm is the stages'.
+            return owners.start(ready)
         flat = self._sums[self._detached][k]
         if flat is None:
             return None
@@ -715,10 +765,14 @@ class _Overlap:
     def _sum_and_step(self, k: int, started: Future) -> None:
         work = started.result()
         step = self._steps[k]
-        if work is not None:
+        owners = self._owners[k]
+        if owners is not None and not self._deferred:
+            owners.finish(work)
+            self.reduced_to_owners += 1
+        elif work is not None:
             work.wait()
             self._sums[self._detached][k].unpack(step.gradient_destination)
-        if self._nodes[k] is not None:
+        if self._nodes[k] is not None and (owners is None or self._deferred):
             nodes = self._nodes[k]
             dist.all_reduce(nodes.pack(), group=nodes.group)
             nodes.unpack(step.gradient_destination)
