@@ -1,6 +1,7 @@
 """The CUDA paths, on a machine with a GPU: a GPU stage beside a CPU worker trains the model one
-device trains; fine mode's pinned staging, side streams and offloaded steps; bf16 on the GPU; the
-memory the offload saves; checkpoints; NVML stats and CUDA-event spans; a killed GPU rank.
+device trains; fine mode's pinned staging, side streams and offloaded steps; two CPU workers
+splitting their optimizer beside a GPU stage; bf16 on the GPU; the memory the offload saves;
+checkpoints; NVML stats and CUDA-event spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
 machine). The main process never touches CUDA, so the workers can be forked; the reference runs on
@@ -116,6 +117,16 @@ def test_offloading_every_bucket_takes_adams_state_off_the_gpu(tmp_path: Path) -
         allocated[offload] = json.loads((out / "allocated.json").read_text())
     params = sum(p.numel() * 4 for p in Net().parameters())
     assert allocated["none"] - allocated["all"] >= 1.5 * params
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_two_cpu_workers_split_their_optimizer_beside_a_gpu_stage(reference: dict, mode: str) -> None:
+    """`sharding.py` with a GPU stage: fine mode reduces each offloaded bucket's gradients to its
+    owning CPU worker from the GPU's pinned staging and broadcasts the stepped parameters back to the
+    GPU; coarse mode splits the CPU workers' replicas' step."""
+    layout = dict(mode="fine", offload="all", bucket_size_mb=1e-5) if mode == "fine" else {}
+    model = fit(gpu(cpu_workers=2, **layout))
+    assert max_param_diff(reference, model) < TOL["64-true"]
 
 
 def test_bf16_mixed_on_the_gpu_beside_a_bf16_cpu_worker(reference: dict) -> None:
