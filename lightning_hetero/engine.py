@@ -12,7 +12,9 @@ of each, in this order:
 2. ``backward``: the gradients are put back and, at the last batch of an optimizer step, summed
    over the workers (coarse mode).
 3. ``optimizer_step``: Lightning clips (``HeteroPrecision`` asks the sync, which knows the global
-   norm) and steps; where the step is skipped, every rank steps nothing.
+   norm) and steps; where the step is skipped, every rank steps nothing. Where the CPU workers split
+   their optimizer (coarse mode, ``sharding.py``), each steps its own parameters and then shares them
+   (``GradSync.after_update``).
 
 Where gradients accumulate, an optimizer step spans several batches (its *window*); only the last
 one sums and steps. What the engine knows of the step in progress is one ``StepState``, new at the

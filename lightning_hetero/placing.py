@@ -66,7 +66,7 @@ def place_rank(
         worker.encoders.set_placement(plan.encoders)
     owners = topology.cpu_workers * (topology.num_nodes if plan.shard_across_nodes else 1)
     if plan.shard_cpu_optimizer and owners >= 2:
-        worker.sharding = sharding_of(topology, node_rank, local_rank, plan.shard_across_nodes, timeout)
+        worker.sharding = sharding_of(topology, node_rank, local_rank, plan.mode, plan.shard_across_nodes, timeout)
     return StepEngine(
         worker=worker,
         exchange=ReportExchange(
@@ -100,12 +100,14 @@ def build_sync(
     )
 
 
-def sharding_of(topology: Topology, node_rank: int, local_rank: int, across_nodes: bool, timeout: timedelta) -> Sharding:
+def sharding_of(
+    topology: Topology, node_rank: int, local_rank: int, mode: str, across_nodes: bool, timeout: timedelta
+) -> Sharding:
     """How this rank takes part in the CPU workers' optimizer state split between them (``sharding.py``):
     the owners' ranks (its node's CPU workers, or with ``across_nodes`` every node's), which of them it
     is, per stage a group of the stage's sync group's ranks (every node's with ``across_nodes``) for
-    the updated parameters of fine mode's buckets, and the owners' group for coarse mode's.
-    Collective: every rank creates every group."""
+    the updated parameters of fine mode's buckets and another for their gradients, or the owners'
+    group for coarse mode's. Collective: every rank creates every group of ``mode``."""
     global_rank = node_rank * topology.procs_per_node + local_rank
     sets = [[n] for n in range(topology.num_nodes)] if not across_nodes else [list(range(topology.num_nodes))]
     mine = next(nodes for nodes in sets if node_rank in nodes)
@@ -120,14 +122,15 @@ def sharding_of(topology: Topology, node_rank: int, local_rank: int, across_node
             members = [(s, [*cpus, *(topology.stage_ranks(n)[s] for n in nodes)]) for s in range(topology.num_stages)]
         # Groups of their own: the broadcasts run on the step thread, the reduces on the sum thread,
         # beside the sync groups' sums.
-        for stage, ranks in members:
+        for stage, ranks in members if mode == "fine" else ():
             for found in (groups, sums):
                 group = dist.new_group(sorted(ranks), backend="gloo", timeout=timeout)
                 if nodes is mine and global_rank in ranks:
                     found[stage] = group
-        group = dist.new_group(cpus, backend="gloo", timeout=timeout)
-        if nodes is mine:
-            workers = group
+        if mode == "coarse":
+            group = dist.new_group(cpus, backend="gloo", timeout=timeout)
+            if nodes is mine:
+                workers = group
     role = topology.role(local_rank)
     cpu_ranks = tuple(r for n in mine for r in topology.cpu_ranks(n))
     me = cpu_ranks.index(global_rank) if role.is_cpu_worker else None

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from omegaconf import OmegaConf
+from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from torch import nn
@@ -290,7 +291,11 @@ class HeteroPlan:
     def load(cls, path: Union[str, Path]) -> HeteroPlan:
         """Read a plan from YAML; unknown keys, wrong types and impossible values are errors that name the file."""
         try:
-            config = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            if isinstance(loaded, DictConfig) and "shard_offloaded" in loaded:
+                rank_zero_warn(f"Plan file {path}: `shard_offloaded` is now `shard_cpu_optimizer`; read as such.")
+                loaded["shard_cpu_optimizer"] = loaded.pop("shard_offloaded")
+            config = OmegaConf.merge(OmegaConf.structured(cls), loaded)
             return OmegaConf.to_object(config)  # type: ignore[return-value]
         except (OmegaConfBaseException, ValueError) as error:
             raise ValueError(f"Plan file {path}: {error}") from None

@@ -843,10 +843,23 @@ def cpu_workers_line(nodes: Sequence[Sequence[int]], plan: HeteroPlan) -> str:
         line += "not pinned"
         if len(nodes) > 1:
             line += " (cpu_workers='auto' runs one per node, pinned to its cores and memory)"
-    if plan.cpu_workers >= 2:
-        split = "split between them" if plan.shard_cpu_optimizer else "a whole copy in each (shard_cpu_optimizer=False)"
-        line += f"; the optimizer state they hold: {split}"
+    if plan.cpu_workers >= 2 or plan.shard_across_nodes:
+        line += f"; the optimizer state they hold: {_split_state(plan)}"
     return line
+
+
+def _split_state(plan: HeteroPlan) -> str:
+    """What the CPU workers do with the optimizer state they hold (``sharding.py``)."""
+    if not plan.shard_cpu_optimizer:
+        return "a whole copy in each (shard_cpu_optimizer=False)"
+    between = "every node's CPU workers (shard_across_nodes)" if plan.shard_across_nodes else "them"
+    if plan.mode == "coarse":
+        return f"split between {between}"
+    if plan.offload in ("none", []):
+        return "a whole copy in each (fine mode splits offloaded buckets only, and none is offloaded)"
+    if plan.offload == "all":
+        return f"every bucket offloaded, split between {between}"
+    return f"offloaded buckets split between {between}, the others a whole copy in each"
 
 
 def hypothetical_machine(

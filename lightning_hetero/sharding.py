@@ -1,4 +1,5 @@
-"""The offloaded optimizer split between the CPU workers, ZeRO-style.
+"""The optimizer state the CPU workers hold, split between them, ZeRO-style: fine mode's offloaded
+buckets and coarse mode's replicas.
 
 [Note: a sharded bucket step]
 In fine mode every rank that holds an offloaded bucket steps it with a fused CPU optimizer, so with
@@ -37,10 +38,11 @@ gradient), and after the step each owner broadcasts its parameters to the other 
 stages step as before. A CPU worker kept out of a step (no share of it) is brought up to date from
 the stages as before, the whole state, and drops the others' part at its next step.
 
-With several nodes, ``shard_across_nodes=True`` makes the CPU workers of every node the owners (the
-gradients are summed over the nodes first, as always), so each holds 1/(N x nodes) of the state: ZeRO
-across the data-parallel replicas. The sums still reach every rank (an all-reduce, which the stages
-need for their own steps and the global norm); only the optimizer state and its step are split.
+With several nodes, ``shard_across_nodes=True`` makes the CPU workers of every node the owners, so
+each holds 1/(N x nodes) of the state: ZeRO across the data-parallel replicas. In fine mode each
+owner's gradients are reduced to it from every node and averaged over them; in coarse mode the sums
+still reach every rank (an all-reduce, which the stages need for their own steps), and only the
+optimizer state and its step are split.
 """
 
 from __future__ import annotations

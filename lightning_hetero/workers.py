@@ -261,8 +261,9 @@ class Worker:
         """The mode's gradient sync for what this rank sums (``sync_buckets``) or steps (``owns``);
         which fine-mode buckets are offloaded is decided alike on every rank (``choose_offloaded``,
         a collective over ``control``). With ``sharding`` (several CPU workers), the CPU workers split
-        their optimizer state and step (``sharding.py``): in coarse mode their replicas', in fine mode
-        the offloaded buckets' (tied parameters' buckets excepted), and then they take part in every step."""
+        their optimizer state and step (``sharding.py``): in coarse mode their replicas' (they keep out
+        of a step they have no share of, as ever); in fine mode the offloaded buckets' (tied parameters'
+        buckets excepted), and then they take part in every step."""
         if mode == "coarse":
             shards = None
             if sharding is not None and sharding.me is not None:

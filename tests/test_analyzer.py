@@ -9,6 +9,7 @@ out exactly as the analyzer did.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from lightning_hetero.planner import main as planner_main
 from lightning_hetero.planner import predict_plan
 from lightning_hetero.profiling import Profile
 from tests.conftest import TIMEOUT, hetero, max_param_diff, trainer
-from tests.models import column, read_metrics, regression_data
+from tests.models import Net, column, read_metrics, regression_data
 from tests.test_equivalence import STEPS, assert_same_run
 
 
@@ -373,3 +374,20 @@ def test_the_analyzer_plans_after_the_modules_own_setup(tmp_path: Path) -> None:
     analyzer = WorkloadAnalyzer(warmup_steps=2, measure_steps=1, repeats=1, contention_s=0.05, save_dir=str(tmp_path))
     trainer(hetero(timeout=TIMEOUT), max_steps=4, callbacks=[analyzer]).fit(DataInSetup())
     assert HeteroPlan.load(tmp_path / "plan.yaml").stages == ["cpu", "cpu"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_planned_layout_keeps_the_cpu_workers_cores_and_their_split(tmp_path: Path) -> None:
+    """What the layout planner does not choose stays as the run sets it: the CPU workers' cores and
+    how they hold the optimizer. Global rank 0 (a CPU worker pinned to one core here) plans, and the
+    profile still sees the machine's every core, as its node's processes together do."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=WARMUP, measure_steps=1, save_dir=str(tmp_path))
+    strategy = hetero(stages=["cpu"], cpu_workers=[[first], [second]], cpu_fraction=0.5, shard_cpu_optimizer=False)
+    trainer(strategy, max_steps=WARMUP + 2, callbacks=[analyzer]).fit(Net(), regression_data())
+    plan = HeteroPlan.load(tmp_path / "plan.yaml")
+    assert plan.cpu_cores == [[first], [second]] and plan.shard_cpu_optimizer is False
+    profile = Profile.load(tmp_path / "profile.json")
+    assert profile.cpu_cores == len(os.sched_getaffinity(0))
+    assert sum(len(node) for node in profile.numa_nodes) == len(os.sched_getaffinity(0))
+    assert "a whole copy in each (shard_cpu_optimizer=False)" in (tmp_path / "explain.txt").read_text()

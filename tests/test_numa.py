@@ -133,5 +133,8 @@ def test_the_plans_explanation_says_what_the_cpu_workers_make_of_the_nodes() -> 
     )
     pinned = cpu_workers_line(nodes, HeteroPlan(cpu_workers=2, cpu_cores=nodes))
     assert pinned.endswith("2 CPU worker(s), pinned to cores 0-3,8-11 | 4-7,12-15; the optimizer state they hold: split between them")
+    fine = cpu_workers_line(nodes, HeteroPlan(cpu_workers=1, mode="fine", offload=[0], shard_across_nodes=True))
+    assert fine.endswith("offloaded buckets split between every node's CPU workers (shard_across_nodes), the others a whole copy in each")
+    assert cpu_workers_line(nodes, HeteroPlan(cpu_workers=2, mode="fine", offload="none")).endswith("and none is offloaded)")
     whole = cpu_workers_line([[0, 1]], HeteroPlan(cpu_workers=2, shard_cpu_optimizer=False))
     assert whole == "CPU: 1 NUMA node(s) (cores 0-1); 2 CPU worker(s), not pinned; the optimizer state they hold: a whole copy in each (shard_cpu_optimizer=False)"

@@ -34,7 +34,7 @@ def test_cut_by_index_or_module_name() -> None:
 
 def test_table_is_readable() -> None:
     table = a_plan().table()
-    assert "cpu_fraction        0.25" in table and "boundaries          2, layers.4" in table
+    assert "\ncpu_fraction         0.25\n" in table and "\nboundaries           2, layers.4\n" in table  # aligned
 
 
 @pytest.mark.parametrize(
@@ -98,3 +98,11 @@ def test_replayed_plan_lays_out_the_run_exactly(tmp_path: Path) -> None:
         ["layers.2.bias", "layers.2.weight"],  # layers 2-3
         ["layers.4.bias", "layers.4.weight"],  # layers 4-5
     ]
+
+
+def test_a_plan_written_with_the_earlier_name_of_the_split_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "plan.yaml"
+    written = HeteroPlan(cpu_workers=2).save(tmp_path / "new.yaml").read_text()
+    path.write_text(written.replace("shard_cpu_optimizer: true", "shard_offloaded: false"))
+    with pytest.warns(UserWarning, match="`shard_offloaded` is now `shard_cpu_optimizer`"):
+        assert HeteroPlan.load(path) == HeteroPlan(cpu_workers=2, shard_cpu_optimizer=False)

@@ -225,3 +225,30 @@ def test_layers_added_to_the_optimizer_while_training_keep_their_owners() -> Non
     strategy = fine(cpu_workers=2, cpu_fraction=0.5, offload="all", bucket_size_mb=25)
     trainer(strategy, max_steps=8, callbacks=[UnfreezeFirstLayer()]).fit(model, regression_data())
     assert max_param_diff(plain, model) < TOL
+
+
+@pytest.mark.parametrize("case", ["skipped-step", "tied-weights", "unfrozen-while-training"])
+def test_coarse_mode_split_with_a_skipped_step_tied_weights_and_a_layer_unfrozen(tmp_path: Path, case: str) -> None:
+    """A step skipped on every rank (NaN in the second CPU worker's gradients, `nonfinite="skip"`)
+    leaves every owner's parameters as they were; a weight two stages share is stepped by its owner
+    alone; a layer frozen, then unfrozen and added to the optimizer, is broadcast once it trains."""
+    from tests.models import FinetunedNet, TiedNet
+    from tests.test_fine import UnfreezeFirstLayer
+    from tests.test_nonfinite import STEP, Poison, SkipStep
+
+    model: Any
+    strategy = coarse(cpu_workers=2, cpu_fraction=0.5, stages=["cpu", "cpu"])
+    if case == "skipped-step":
+        plain, model = Net(), Net()
+        trainer(None, max_steps=6, callbacks=[SkipStep(STEP)]).fit(plain, regression_data())
+        strategy = coarse(cpu_workers=2, cpu_fraction=0.5, stages=["cpu", "cpu"], nonfinite="skip")
+        callbacks: list = [Poison(1, STEP, "gradients"), RecordCopies(tmp_path)]
+        trainer(strategy, max_steps=6, callbacks=callbacks).fit(model, regression_data())
+    else:
+        kind, more = (TiedNet, []) if case == "tied-weights" else (FinetunedNet, [UnfreezeFirstLayer()])
+        plain, model = kind(), kind()
+        trainer(None, max_steps=8, callbacks=list(more)).fit(plain, regression_data())
+        more = [UnfreezeFirstLayer()] if case != "tied-weights" else []
+        trainer(strategy, max_steps=8, callbacks=[*more, RecordCopies(tmp_path)]).fit(model, regression_data())
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL

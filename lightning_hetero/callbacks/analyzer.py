@@ -65,13 +65,16 @@ from lightning_hetero.record import StepRecord
 from lightning_hetero.results import ReportExchange, WorkerReport
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
-from lightning_hetero.numa import numa_nodes
+from lightning_hetero.numa import numa_nodes, usable_cpus
 from lightning_hetero.topology import Role, gather_object_to, threads_for, usable_cores
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
 __all__ = ["WorkloadAnalyzer", "profile_encoders"]
+
+KEPT_FROM_THE_RUN = ("encoders", "cpu_cores", "shard_cpu_optimizer", "shard_across_nodes")
+"""Plan fields the layout planner leaves as the run has them."""
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +175,10 @@ class WorkloadAnalyzer(L.Callback):
         model's encoders (``place_encoders``), on every rank (collective)."""
         self.placement = None
         if blocks:
-            plan = replace(self.plan_layout(trainer, strategy, layers), encoders=strategy.plan.encoders)
+            # What the planner does not choose stays as the run has it: the encoders' places (next),
+            # the CPU workers' cores and their split optimizer.
+            kept = {name: getattr(strategy.plan, name) for name in KEPT_FROM_THE_RUN}
+            plan = replace(self.plan_layout(trainer, strategy, layers), **kept)
         else:
             self.prediction = self.profile = self.measured_step_s = None
             self._planned, plan = True, strategy.plan
@@ -273,6 +279,7 @@ class WorkloadAnalyzer(L.Callback):
             "state_factor": optimizer_state_factor(optimizer),
             "exchange_s": exchange_s,
             "node": strategy.node_rank,
+            "affinity": sorted(usable_cpus()),
             "sharing": {layout: (sharing[layout], alone[layout], together[layout]) for layout in sharing},
         }
 
@@ -389,7 +396,10 @@ class WorkloadAnalyzer(L.Callback):
                 links.setdefault(name, link)
             if part["memory"] is not None:
                 memory[part["role"]] = part["memory"]
-        cores = usable_cores()
+        # The machine as its node's processes see it: a CPU worker pinned to one NUMA node (rank 0, here)
+        # sees only that node's cores.
+        affinity = {core for part in parts if part["node"] == strategy.node_rank for core in part["affinity"]}
+        cores = len(affinity)
         profile = Profile(
             batch_size=batch_size,
             layers=parts[0]["layers"],
@@ -400,7 +410,7 @@ class WorkloadAnalyzer(L.Callback):
             device_memory=memory,
             step_overhead_s=max(part["exchange_s"] for part in parts),
             shared_cores=_shared_cores(parts, cores),
-            numa_nodes=[list(node.cpus) for node in numa_nodes()],
+            numa_nodes=[list(node.cpus) for node in numa_nodes(affinity=affinity)],
         )
         layouts = compare_layouts(
             profile,
