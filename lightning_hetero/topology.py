@@ -161,8 +161,16 @@ class Topology:
         return f"global rank {rank} ({self.role(local_rank)} of {self.describe()})"
 
 
+_BEFORE_PINNING: Optional[int] = None
+"""The cores this process could run on before ``pin_to`` kept it to its own."""
+
+
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity, where the OS has one)."""
+    """The cores the run's processes may use (this process's affinity, where the OS has one): a CPU
+    worker pinned to its NUMA node's cores counts those it had before, as every other rank of its
+    node does, so that decisions every rank takes alike from it agree."""
+    if _BEFORE_PINNING is not None:
+        return _BEFORE_PINNING
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -464,6 +472,9 @@ def restart_store(timeout: timedelta) -> dist.Store | None:
 def pin_to(cores: Sequence[int]) -> None:
     """Run this process on ``cores`` only: every thread it has (torch's pool may exist already), and
     so every thread it starts."""
+    global _BEFORE_PINNING
+    if _BEFORE_PINNING is None:
+        _BEFORE_PINNING = usable_cores()
     for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
         try:
             os.sched_setaffinity(int(task), set(cores))

@@ -106,7 +106,9 @@ class Pinned(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if isinstance(trainer.strategy, HeteroStrategy):
-            found = {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}
+            from lightning_hetero.topology import usable_cores
+
+            found = {"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), "usable": usable_cores()}
             torch.save(found, self.out / f"rank{trainer.global_rank}.pt")
 
 
@@ -116,8 +118,11 @@ def test_pinned_cpu_workers_run_on_their_cores_and_train_the_one_process_model(t
     strategy = hetero(stages=["cpu"], cpu_workers=[[first], [second]], cpu_fraction=0.5)
     assert_same_run(tmp_path, strategy, TwoPass, regression_data, callbacks=[Pinned(tmp_path)])
     ranks: list[Any] = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
-    assert ranks[0] == {"cores": [first], "threads": 1} and ranks[1] == {"cores": [second], "threads": 1}
-    assert len(ranks[2]["cores"]) == len(os.sched_getaffinity(0))  # the device's process is not pinned
+    # Every rank counts the cores the run may use alike (what the analyzer and the rebalancer split).
+    everyone = len(os.sched_getaffinity(0))
+    assert ranks[0] == {"cores": [first], "threads": 1, "usable": everyone}
+    assert ranks[1] == {"cores": [second], "threads": 1, "usable": everyone}
+    assert len(ranks[2]["cores"]) == everyone  # the device's process is not pinned
 
 
 def test_the_plans_explanation_says_what_the_cpu_workers_make_of_the_nodes() -> None:
