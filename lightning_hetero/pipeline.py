@@ -1,7 +1,11 @@
 """Pipeline stages and schedules, on top of ``torch.distributed.pipelining``.
 
-The layers are cut into contiguous slices, one per stage rank. Each stage rank wraps its slice in
-a ``PipelineStage`` and runs a single-stage-per-rank schedule (GPipe, 1F1B, ...) over the
+The layers are cut into contiguous slices, the pipeline's *stages*. With a single-stage schedule
+(GPipe, 1F1B) each stage process holds one; with a multi-stage one (Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) each holds ``stages_per_process`` of them: process
+``r`` of ``p`` the stages ``r, r + p, r + 2p, ...`` (a loop), or, for the V-shaped schedules
+(ZBVZeroBubble, DualPipeV), ``r`` and ``2p - 1 - r`` (so the first process holds the first and the
+last stage). Each stage process wraps its slices in ``PipelineStage``s and runs the schedule over the
 micro-batches of the pipeline's share of the batch.
 """
 
@@ -18,6 +22,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
@@ -28,7 +33,23 @@ from torch.utils._pytree import tree_flatten
 from lightning_hetero.multimodal import in_backward, micro_batch
 from lightning_hetero.module import run_layers
 
-__all__ = ["partition_layers", "resolve_schedule", "schedule_name", "StageModule", "Pipeline"]
+__all__ = [
+    "partition_layers",
+    "resolve_schedule",
+    "schedule_name",
+    "is_multi_stage",
+    "stages_of",
+    "holders",
+    "StageModule",
+    "Pipeline",
+]
+
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Multi-stage schedules that hold two stages per process in a V: process ``r`` stages ``r`` and ``2p - 1 - r``."""
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that split the backward: the weights' gradients come in a pass of their own."""
+INTRODUCED = {"InterleavedZeroBubble": "2.5", "ZBVZeroBubble": "2.6", "DualPipeV": "2.8"}
+"""The torch release that brought each of the newer schedules."""
 
 ScheduleArg = Union[str, type]
 
@@ -83,26 +104,111 @@ def schedule_name(schedule: ScheduleArg) -> str:
     raise ValueError(f"Schedule {schedule!r} is not one of torch's pipeline schedules; pass a schedule's name (e.g. 'GPipe').")
 
 
-def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int) -> type[PipelineScheduleSingle]:
-    """The schedule class for a name ``get_schedule_class`` knows, limited to one stage per rank."""
-    cls = get_schedule_class(schedule) if isinstance(schedule, str) else schedule
-    single = isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle) and cls is not PipelineScheduleSingle
-    if not single:
+def is_multi_stage(schedule: type) -> bool:
+    """Whether ``schedule`` runs several stages per process."""
+    return isinstance(schedule, type) and issubclass(schedule, PipelineScheduleMulti)
+
+
+def _schedule_class(schedule: ScheduleArg) -> type:
+    if not isinstance(schedule, str):
+        return schedule
+    try:
+        return get_schedule_class(schedule)
+    except ValueError:
+        since = INTRODUCED.get(schedule)
+        if since is not None:
+            raise ValueError(
+                f"Schedule {schedule!r} came with torch {since}; this torch ({torch.__version__}) lacks it. Upgrade torch,"
+                " or pick another schedule."
+            ) from None
         raise ValueError(
-            f"Schedule {schedule!r} runs several stages per rank (or is not a schedule); the hetero strategy runs"
-            " one stage per rank. Use a single-stage schedule such as 'GPipe' or '1F1B'."
+            f"Schedule {schedule!r} is not one of torch's pipeline schedules (single-stage: 'GPipe', '1F1B'; several stages"
+            " per process: 'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV')."
+        ) from None
+
+
+def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int, per_process: int = 1) -> type:
+    """The schedule class for a name ``get_schedule_class`` knows, checked against the layout:
+    ``num_stages`` stage processes, each holding ``per_process`` stages, and ``micro_batches``."""
+    cls = _schedule_class(schedule)
+    multi = is_multi_stage(cls)
+    if not multi and not (isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle) and cls is not PipelineScheduleSingle):
+        raise ValueError(f"{schedule!r} is not a pipeline schedule; pass a schedule's name (e.g. 'GPipe').")
+    name = schedule_name(cls)
+    if not multi and per_process != 1:
+        raise ValueError(
+            f"Schedule {name} runs one stage per process; `stages_per_process={per_process}` needs a multi-stage"
+            " schedule ('Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV')."
         )
-    if micro_batches < min_micro_batches(cls, num_stages):
+    if multi and per_process < 2:
+        raise ValueError(f"Schedule {name} runs several stages per process: `stages_per_process` must be 2 or more.")
+    if name in V_SHAPED and per_process != 2:
+        raise ValueError(f"Schedule {name} places two stages per process in a V: `stages_per_process` must be 2.")
+    if micro_batches < min_micro_batches(cls, num_stages, per_process) or not takes(cls, num_stages, per_process, micro_batches):
         raise ValueError(
-            f"Schedule {cls.__name__} needs at least as many micro-batches as stages: `micro_batches={micro_batches}`"
-            f" with {num_stages} stages. Raise `micro_batches` or use 'GPipe'."
+            f"Schedule {name} cannot run `micro_batches={micro_batches}` with {num_stages} stage process(es)"
+            f" x {per_process} stage(s): {needs(cls, num_stages, per_process)}."
         )
     return cls
 
 
-def min_micro_batches(schedule: type[PipelineScheduleSingle], num_stages: int) -> int:
+def min_micro_batches(schedule: type, num_stages: int, per_process: int = 1) -> int:
     """The fewest micro-batches ``schedule`` runs with (1F1B keeps every stage busy, so one per stage)."""
+    if is_multi_stage(schedule):
+        return num_stages * per_process if schedule_name(schedule) == "DualPipeV" else 1
     return num_stages if issubclass(schedule, Schedule1F1B) else 1
+
+
+def takes(schedule: type, num_stages: int, per_process: int, micro_batches: int) -> bool:
+    """Whether ``schedule`` runs ``micro_batches``: the interleaved ones run them in rounds of at most
+    one per stage process, so the rounds must divide them (torch's rule)."""
+    if micro_batches < min_micro_batches(schedule, num_stages, per_process):
+        return False
+    if schedule_name(schedule) in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return micro_batches % max(1, micro_batches // num_stages) == 0
+    return True
+
+
+def needs(schedule: type, num_stages: int, per_process: int) -> str:
+    """What ``schedule`` asks of the micro-batch count, in words."""
+    name = schedule_name(schedule)
+    if name == "DualPipeV":
+        return f"at least one micro-batch per stage, {num_stages * per_process}"
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return (
+            f"fewer than {2 * num_stages} micro-batches, or a number its rounds (micro_batches // {num_stages})"
+            f" divide, e.g. {2 * num_stages} or {3 * num_stages}"
+        )
+    if issubclass(schedule, Schedule1F1B):
+        return f"it needs at least as many micro-batches as stages ({num_stages}); raise `micro_batches`, or use 'GPipe'"
+    return f"at least {min_micro_batches(schedule, num_stages, per_process)}"
+
+
+def fallback(schedule: type, num_stages: int, per_process: int, micro_batches: int) -> type:
+    """The schedule a share that splits into fewer micro-batches than ``schedule`` takes runs instead
+    (the same stages in the same places, the same gradients in another order): GPipe for one stage per
+    process, LoopedBFS for a loop, ZBVZeroBubble for a V."""
+    if takes(schedule, num_stages, per_process, micro_batches):
+        return schedule
+    if not is_multi_stage(schedule):
+        return ScheduleGPipe
+    return get_schedule_class("ZBVZeroBubble" if schedule_name(schedule) in V_SHAPED else "LoopedBFS")
+
+
+def stages_of(process: int, num_processes: int, per_process: int, v_shaped: bool) -> list[int]:
+    """The stages stage process ``process`` holds, in order."""
+    if v_shaped:
+        return [process, 2 * num_processes - 1 - process]
+    return [process + k * num_processes for k in range(per_process)]
+
+
+def holders(num_processes: int, per_process: int, v_shaped: bool) -> list[int]:
+    """The stage process that holds each stage."""
+    owner = [0] * (num_processes * per_process)
+    for process in range(num_processes):
+        for stage in stages_of(process, num_processes, per_process, v_shaped):
+            owner[stage] = process
+    return owner
 
 
 class StageModule(nn.Module):
@@ -147,6 +253,33 @@ class _TimedStage(PipelineStage):
         with self.clock.device_span("stage") if self.clock is not None else nullcontext(), in_backward():
             return super().backward_one_chunk(*args, **kwargs)
 
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        # Zero-bubble schedules: the weights' gradients, in a pass of their own, which torch adds to
+        # `.grad` by hand, so their post-accumulate hooks (fine mode's count of arrived gradients)
+        # would not run: run them for every weight whose gradient the pass changed, as autograd would,
+        # unless autograd did (where the pass is a whole backward: a first stage, whose inputs need none).
+        weights = [p for p in self.submod.parameters() if p.requires_grad and p._post_accumulate_grad_hooks]
+        before = [_grad_version(p) for p in weights]
+        seen: set[nn.Parameter] = set()
+        handles = [p.register_post_accumulate_grad_hook(seen.add) for p in weights]
+        try:
+            with self.clock.device_span("stage") if self.clock is not None else nullcontext(), in_backward():
+                result = super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for p, version in zip(weights, before):
+            if p not in seen and _grad_version(p) != version:
+                for hook in list(p._post_accumulate_grad_hooks.values()):
+                    hook(p)
+        return result
+
+
+def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:
+    """What changes when a gradient is set or added to."""
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)
+
 
 class _ScaledLoss:
     """The stage's loss function: the user's mean loss times this step's weight for the pipeline's share."""
@@ -160,9 +293,10 @@ class _ScaledLoss:
 
 
 class Pipeline:
-    """This rank's pipeline stage, with one schedule per batch layout.
+    """This rank's pipeline stages (one, or several with a multi-stage schedule), with one schedule
+    per batch layout.
 
-    ``PipelineStage`` fixes its buffer shapes on the first step it runs, so a new stage and
+    ``PipelineStage`` fixes its buffer shapes on the first step it runs, so new stages and a new
     schedule are built whenever the micro-batch shape or count changes (e.g. the last, smaller
     batch of an epoch, or a new CPU fraction). Every stage rank derives the same key from the
     batch, so all ranks build and evict in step.
@@ -173,30 +307,32 @@ class Pipeline:
     def __init__(
         self,
         *,
-        module: StageModule,
-        stage_index: int,
+        modules: Sequence[StageModule],
+        stage_indices: Sequence[int],
         num_stages: int,
         device: torch.device,
         group: dist.ProcessGroup,
-        schedule: type[PipelineScheduleSingle],
+        schedule: type,
         loss_fn: Callable[[Any, Any], Tensor],
     ) -> None:
-        self.module = module
-        self.stage_index = stage_index
+        self.modules = list(modules)
+        self.stage_indices = list(stage_indices)
         self.num_stages = num_stages
+        """Stages in all, every process's."""
         self.device = device
         self.group = group
         self.schedule_cls = schedule
         self._loss = _ScaledLoss(loss_fn)
-        self._schedules: OrderedDict[tuple, PipelineScheduleSingle] = OrderedDict()
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """Whether this process holds the last stage, which computes the loss (the first process, in a V)."""
+        return self.num_stages - 1 in self.stage_indices
 
     def train_step(
         self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float, clock: Any = None
@@ -209,7 +345,8 @@ class Pipeline:
         the stage's parameters are exactly this share's contribution to the batch-mean gradient.
         """
         schedule = self._schedule(True, micro_batches, inputs)
-        schedule._stage.clock = clock
+        for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+            stage.clock = clock
         self._loss.scale = loss_scale
         losses: list[Tensor] = []
         kwargs = {"target": move_data_to_device(targets, self.device), "losses": losses} if self.is_last else {}
@@ -235,20 +372,22 @@ class Pipeline:
             return (), dict(inputs)
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
 
-    def _schedule(self, train: bool, micro_batches: int, inputs: Any) -> PipelineScheduleSingle:
+    def _schedule(self, train: bool, micro_batches: int, inputs: Any) -> Any:
         key = (train, micro_batches, _layout(inputs))
         schedule = self._schedules.get(key)
         if schedule is None:
-            stage = _TimedStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+            stages = [
+                _TimedStage(module, index, self.num_stages, self.device, group=self.group)
+                for module, index in zip(self.modules, self.stage_indices)
+            ]
             loss = self._loss if train else None
-            cls = self.schedule_cls
-            if micro_batches < min_micro_batches(cls, self.num_stages):
-                # A batch that only splits into fewer micro-batches (see `shares.py`) runs GPipe,
-                # which computes the same gradients in a different order.
-                cls = ScheduleGPipe
+            processes = self.num_stages // len(stages)
+            # A batch that only splits into fewer micro-batches than the schedule takes (see `shares.py`)
+            # runs GPipe's order on the same stages, which computes the same gradients in another order.
+            cls = fallback(self.schedule_cls, processes, len(stages), micro_batches)
             # `loss_scale` already carries the 1/micro_batches factor; torch's own scaling
             # (scale_grads) would also divide the gradients accumulated over earlier steps.
-            schedule = cls(stage, micro_batches, loss_fn=loss, scale_grads=False)
+            schedule = cls(stages if is_multi_stage(cls) else stages[0], micro_batches, loss_fn=loss, scale_grads=False)
             self._schedules[key] = schedule
             if len(self._schedules) > self._MAX_LAYOUTS:
                 self._schedules.popitem(last=False)

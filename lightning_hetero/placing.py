@@ -22,7 +22,7 @@ from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy
 from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import EncoderExchange, encoder_stages, modality_encoders, offers_modalities
-from lightning_hetero.pipeline import resolve_schedule
+from lightning_hetero.pipeline import V_SHAPED, holders, resolve_schedule, schedule_name
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import ReportExchange, relog
@@ -56,8 +56,14 @@ def place_rank(
     tied = tied_parameters(layers, bounds)
     sums = tied_groups(topology, global_rank, [stages for stages, _ in tied], timeout)
     tied_sums = [Tied(stages, params, *pair) for (stages, params), pair in zip(tied, sums)]
-    placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(node_rank), tied_sums)
-    schedule = resolve_schedule(plan.schedule, topology.num_stages, plan.micro_batches)
+    schedule = resolve_schedule(plan.schedule, topology.num_stages, plan.micro_batches, plan.stages_per_process)
+    if len(bounds) > topology.num_stages:
+        # Several stages per process: each stage is summed over its process's sync group.
+        owner = holders(topology.num_stages, plan.stages_per_process, schedule_name(schedule) in V_SHAPED)
+        sync, ranks = [groups.sync[o] for o in owner], [topology.stage_ranks(node_rank)[o] for o in owner]
+        placement = Placement(layers, bounds, sync, ranks, tied_sums, holders=owner)
+    else:
+        placement = Placement(layers, bounds, groups.sync, topology.stage_ranks(node_rank), tied_sums)
     worker = ROLES[role.kind].place(module, placement, role.index, device=device, group=groups.stage, schedule=schedule)
     if plan.parallelism == "replicas" and has_batch_norm(module):
         worker.norm = replica_norm(module, topology, whole_batch_norm, timeout)
@@ -89,7 +95,7 @@ def build_sync(
     worker = engine.worker
     return worker.build_sync(
         plan.mode,
-        norm=GlobalNorm(worker.norm_slot, len(worker.placement.bounds), topology.num_nodes, groups.control),
+        norm=GlobalNorm(worker.norm_slot, worker.placement.num_processes, topology.num_nodes, groups.control),
         replica_group=groups.replica,
         optimizer=optimizer,
         bucket_bytes=int(plan.bucket_size_mb * 2**20),

@@ -29,7 +29,8 @@ from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
 from lightning_hetero.offload import check_offload
-from lightning_hetero.pipeline import partition_layers, resolve_schedule, schedule_name
+from lightning_hetero.pipeline import _schedule_class, is_multi_stage, partition_layers, resolve_schedule
+from lightning_hetero.pipeline import schedule_name
 from lightning_hetero.sync import make_buckets
 from lightning_hetero.topology import parse_device, resolve_stage_devices
 
@@ -49,6 +50,7 @@ LAYOUT_ARGUMENTS = (
     "encoders",
     "shard_cpu_optimizer",
     "shard_across_nodes",
+    "stages_per_process",
 )
 """``HeteroStrategy``'s arguments that a plan sets."""
 
@@ -72,7 +74,12 @@ class HeteroPlan:
     micro_batches: int = 4
     """Micro-batches the pipeline's share of a batch is cut into."""
     schedule: str = "GPipe"
-    """A single-stage-per-rank schedule known to ``get_schedule_class``."""
+    """A schedule ``get_schedule_class`` knows: one stage per process (GPipe, 1F1B) or several
+    (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."""
+    stages_per_process: int = 1
+    """Stages each stage process holds: 1 for a single-stage schedule, 2 or more for a multi-stage one
+    (2 for the V-shaped ZBVZeroBubble and DualPipeV); the blocks are cut into that many times the
+    processes' stages."""
     cpu_workers: int = 1
     """CPU-worker processes, each with a full replica."""
     cpu_cores: Optional[list[list[int]]] = None
@@ -123,16 +130,18 @@ class HeteroPlan:
         if not self.stages:
             raise ValueError("Plan: `stages` is empty; a run needs at least one pipeline stage.")
         devices = [parse_device(d) for d in self.stages]
-        if len(self.boundaries) not in (0, len(devices) - 1):
+        _check_positive("stages_per_process", self.stages_per_process)
+        cut = len(devices) * self.stages_per_process
+        if len(self.boundaries) not in (0, cut - 1):
             raise ValueError(
-                f"Plan: {len(devices)} stages need {len(devices) - 1} boundaries (where each stage after the first"
+                f"Plan: {cut} stages need {cut - 1} boundaries (where each stage after the first"
                 f" begins), but the plan gives {len(self.boundaries)}: {list(self.boundaries)}."
             )
         indices = [b for b in self.boundaries if isinstance(b, int)]
         if any(b < 1 for b in indices) or indices != sorted(set(indices)):
             raise ValueError(f"Plan: layer-index boundaries must increase and be >= 1, got {list(self.boundaries)}.")
         _check_positive("micro_batches", self.micro_batches)
-        resolve_schedule(self.schedule, len(devices), self.micro_batches)
+        resolve_schedule(self.schedule, len(devices), self.micro_batches, self.stages_per_process)
         if self.cpu_workers < 0:
             raise ValueError(f"Plan: `cpu_workers={self.cpu_workers}` must be >= 0.")
         if self.cpu_cores is not None:
@@ -189,7 +198,10 @@ class HeteroPlan:
             bounds = [(0, len(layers))]
         else:
             layers = check_model_contract(model)
-            bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, len(self.stages))
+            count = len(self.stages) * self.stages_per_process
+            bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, count)
+            if self.stages_per_process > 1:
+                self._check_multi_stage(model, layers, bounds)
             encoder_stages(model, self.encoders, layers, bounds)
         if not isinstance(self.offload, str) and self.offload:
             tied = [stages for stages, _ in tied_parameters(layers, bounds)]
@@ -200,6 +212,22 @@ class HeteroPlan:
                     f" (0 to {count - 1}) at `bucket_size_mb={self.bucket_size_mb:g}`."
                 )
         return layers, bounds
+
+    def _check_multi_stage(self, model: nn.Module, layers: list[nn.Module], bounds: list[tuple[int, int]]) -> None:
+        """What several stages per process do not take yet, refused with what to do."""
+        name = type(model).__name__
+        if self.encoders:
+            raise ValueError(
+                f"`{name}` places encoders ({self.encoders}) in a pipeline of several stages per process"
+                f" (schedule {self.schedule!r}); place them with a single-stage schedule ('GPipe', '1F1B')."
+            )
+        tied = tied_parameters(layers, bounds)
+        if tied:
+            raise ValueError(
+                f"`{name}` shares parameters between the blocks of stages {list(tied[0][0])} (tied weights), which"
+                f" several stages per process (schedule {self.schedule!r}) do not sum yet; use a single-stage"
+                " schedule ('GPipe', '1F1B')."
+            )
 
     def cut(self, layer_names: Sequence[str]) -> list[tuple[int, int]] | None:
         """Each stage's ``[start, stop)`` layers for a model whose layers have these module names;
@@ -249,6 +277,7 @@ class HeteroPlan:
         encoders: Any = None,
         shard_cpu_optimizer: Any = True,
         shard_across_nodes: Any = False,
+        stages_per_process: Any = "auto",
     ) -> HeteroPlan:
         """The plan of ``HeteroStrategy``'s layout arguments (see its docstring), after checking each
         one: ``stages`` becomes one device per stage, ``cpu_fraction="auto"`` a number."""
@@ -267,6 +296,10 @@ class HeteroPlan:
                 " and `shard_cpu_optimizer=False` asks for whole copies: drop one of them."
             )
         _check_int("micro_batches", micro_batches, minimum=1)
+        name = schedule_name(schedule)
+        if stages_per_process == "auto":
+            stages_per_process = 2 if is_multi_stage(_schedule_class(name)) else 1
+        _check_int("stages_per_process", stages_per_process, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)
         devices = resolve_stage_devices(stages)
@@ -278,7 +311,8 @@ class HeteroPlan:
             cpu_cores=cpu_cores,
             cpu_threads=cpu_threads,
             micro_batches=micro_batches,
-            schedule=schedule_name(schedule),
+            schedule=name,
+            stages_per_process=stages_per_process,
             cpu_fraction=_fraction(cpu_fraction, cpu_workers, [d.type for d in devices]),
             offload=offload if isinstance(offload, str) else sorted(set(offload)),
             bucket_size_mb=float(bucket_size_mb),

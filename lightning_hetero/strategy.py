@@ -81,7 +81,11 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             per NUMA node, pinned to its cores; or each one's cores, ``[[0, 1], [2, 3]]`` (``docs/cpu-workers.md``).
         cpu_threads: torch threads per CPU worker; ``None``: its pinned cores, or the machine's shared out.
         micro_batches: micro-batches the pipeline's share is cut into.
-        schedule: a single-stage-per-rank schedule known to ``get_schedule_class`` ("GPipe", "1F1B").
+        schedule: a schedule known to ``get_schedule_class``: one stage per process ("GPipe", "1F1B"), or several
+            ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"; ``docs/schedules.md``).
+        stages_per_process: the stages each stage process holds with a multi-stage schedule: ``"auto"`` is 2 for
+            those (a V for ZBVZeroBubble and DualPipeV), 1 for the others; the blocks are cut into that many stages
+            per process.
         cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given; ``"auto"``:
             the share the CPU earns in training (``docs/rebalancing.md``).
         start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
@@ -122,6 +126,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         cpu_threads: Optional[int] = None,
         micro_batches: int = 4,
         schedule: ScheduleArg = "GPipe",
+        stages_per_process: Union[int, Literal["auto"]] = "auto",
         cpu_fraction: Union[float, Literal["auto"]] = "auto",
         start_method: Literal["auto", "popen", "fork", "spawn", "forkserver"] = "auto",
         timeout: Union[timedelta, float] = timedelta(minutes=5),

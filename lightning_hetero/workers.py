@@ -105,6 +105,20 @@ class Placement:
     stage_ranks: list[int]
     tied: list[Tied] = field(default_factory=list)
     """The parameters several stages hold, by the stages that hold them."""
+    holders: Optional[list[int]] = None
+    """With several stages per process, the stage process that holds each stage (``pipeline.holders``);
+    ``None``: stage ``s`` is process ``s``'s."""
+
+    @property
+    def num_processes(self) -> int:
+        """The processes the stages are on (one for replicas, whose blocks are one stage)."""
+        return len(set(self.holders)) if self.holders is not None else len(self.bounds)
+
+    def stages_of(self, process: int) -> list[int]:
+        """The stages stage process ``process`` holds."""
+        if self.holders is None:
+            return [process]
+        return [s for s, holder in enumerate(self.holders) if holder == process]
 
     def stage_params(self, stage: int) -> list[nn.Parameter]:
         """The parameters of ``stage``'s blocks, frozen ones included (they may be unfrozen later),
@@ -280,7 +294,8 @@ class Worker:
                 return DeviceStep
             if sharding is None or b.tied:
                 return OffloadStep
-            return partial(ShardedStep, sharding=sharding, stage=b.stage)
+            process = place.holders[b.stage] if place.holders is not None else b.stage  # its sharding groups' index
+            return partial(ShardedStep, sharding=sharding, stage=process)
 
         entries = [(self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), step_of(b)) for b in own]
         shares = sharding is not None and bool(offloaded)
@@ -527,14 +542,16 @@ class DeviceReplica(SoleStage):
 
 
 class StageWorker(Worker):
-    """One pipeline stage; the last one replays the module's step methods on the pipeline's outputs."""
+    """One pipeline stage process, with its stage (or, with a multi-stage schedule, its stages); the
+    process that holds the last stage replays the module's step methods on the pipeline's outputs."""
 
     speed_key = "pipeline"
 
-    def __init__(self, module: LightningModule, placement: Placement, pipeline: Pipeline) -> None:
-        super().__init__(module, placement.stage_params(pipeline.stage_index), placement)
+    def __init__(self, module: LightningModule, placement: Placement, pipeline: Pipeline, index: int) -> None:
+        params = _unique(p for stage in pipeline.stage_indices for p in placement.stage_params(stage))
+        super().__init__(module, params, placement)
         self.pipeline = pipeline
-        self.norm_slot = pipeline.stage_index
+        self.norm_slot = index
         self.device = pipeline.device
 
     @classmethod
@@ -548,29 +565,30 @@ class StageWorker(Worker):
         group: dist.ProcessGroup,
         schedule: type,
     ) -> Worker:
-        """Stage ``index``: its blocks stay (they go to its device with the module), the others go to
-        the meta device (``on_setup``). A pipeline of one stage is a ``SoleStage``."""
+        """Stage process ``index``: its stages' blocks stay (they go to its device with the module), the
+        others go to the meta device (``on_setup``). A pipeline of one stage is a ``SoleStage``."""
         if len(placement.bounds) == 1:
             return SoleStage(module, placement, device)
-        start, stop = placement.bounds[index]
+        stages = placement.stages_of(index)
         pipeline = Pipeline(
-            module=StageModule(placement.layers[start:stop]),
-            stage_index=index,
+            modules=[StageModule(placement.layers[start:stop]) for start, stop in (placement.bounds[s] for s in stages)],
+            stage_indices=stages,
             num_stages=len(placement.bounds),
             device=device,
             group=group,
             schedule=schedule,
             loss_fn=module.pipeline_loss,
         )
-        return cls(module, placement, pipeline)
+        return cls(module, placement, pipeline, index)
 
     @override
     def on_setup(self) -> None:
         # The other stages' layers go to the meta device (shapes only), so nothing can use their
         # values here, which would go stale as the stages train (`share_model` filled them in).
         super().on_setup()
-        start, stop = self.placement.bounds[self.pipeline.stage_index]
-        drop_to_meta(self.placement.layers[:start] + self.placement.layers[stop:], keep=self.params)
+        held = {i for s in self.pipeline.stage_indices for i in range(*self.placement.bounds[s])}
+        others = [layer for i, layer in enumerate(self.placement.layers) if i not in held]
+        drop_to_meta(others, keep=self.params)
 
     @override
     def expected_grads(self, shares: Shares) -> int:
@@ -622,7 +640,7 @@ class StageWorker(Worker):
 
     @override
     def held_stages(self) -> list[int]:
-        return [self.pipeline.stage_index]
+        return list(self.pipeline.stage_indices)
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:

@@ -161,8 +161,10 @@ CASES = {
     "unsupported-device": Bad(lambda _: HeteroStrategy(stages=["mps"]), "Stage device 'mps' is not supported"),
     "no-stages": Bad(lambda _: HeteroStrategy(stages=0), "a hetero run needs at least one pipeline stage"),
     "stages-text": Bad(lambda _: HeteroStrategy(stages="many"), "`stages='many'` is not understood"),
-    "unknown-schedule": Bad(lambda _: HeteroStrategy(schedule="Foo"), "Unknown schedule name 'Foo'"),
-    "multi-stage-schedule": Bad(lambda _: HeteroStrategy(schedule="Interleaved1F1B"), "runs several stages per rank"),
+    "unknown-schedule": Bad(lambda _: HeteroStrategy(schedule="Foo"), "Schedule 'Foo' is not one of torch's pipeline schedules"),
+    "multi-stage-schedule-with-one-stage": Bad(
+        lambda _: HeteroStrategy(schedule="Interleaved1F1B", stages_per_process=1), "`stages_per_process` must be 2 or more"
+    ),
     "too-few-micro-batches": Bad(
         lambda _: HeteroStrategy(schedule="1F1B", stages=["cpu"] * 3, micro_batches=2), "needs at least as many micro-batches"
     ),
@@ -176,7 +178,7 @@ CASES = {
         lambda p: fit(strategy=from_plan(p, boundaries=[2, 9])),
         "Plan: boundaries [2, 9] do not cut the model's 6 layers into 3 non-empty stages in order",
     ),
-    "plan-unknown-schedule": Bad(lambda p: from_plan(p, schedule="Foo"), "plan.yaml: Unknown schedule name 'Foo'"),
+    "plan-unknown-schedule": Bad(lambda p: from_plan(p, schedule="Foo"), "plan.yaml: Schedule 'Foo' is not one of torch's pipeline schedules"),
     "plan-fraction-out-of-range": Bad(
         lambda p: from_plan(p, cpu_fraction=1.5), "plan.yaml: Plan: `cpu_fraction=1.5` must be between 0 and 1"
     ),

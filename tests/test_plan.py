@@ -42,7 +42,7 @@ def test_table_is_readable() -> None:
     [
         ({"boundaries": [2]}, "3 stages need 2 boundaries"),
         ({"boundaries": [3, 2]}, "layer-index boundaries must increase"),
-        ({"schedule": "Foo"}, "Unknown schedule name 'Foo'"),
+        ({"schedule": "Foo"}, "Schedule 'Foo' is not one of torch's pipeline schedules"),
         ({"cpu_fraction": 1.5}, "`cpu_fraction=1.5` must be between 0 and 1"),
         ({"cpu_workers": 0}, "gives the CPU a share, but `cpu_workers=0`"),
         ({"stages": ["cpu", "tpu", "cpu"]}, "Stage device 'tpu' is not a device name"),

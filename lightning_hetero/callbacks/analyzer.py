@@ -166,6 +166,14 @@ class WorkloadAnalyzer(L.Callback):
             )
             self._planned = True  # nothing to plan
             return
+        if strategy.plan.stages_per_process > 1 and strategy.plan.parallelism != "replicas":
+            rank_zero_warn(
+                f"WorkloadAnalyzer plans single-stage schedules only; schedule {strategy.plan.schedule!r} with"
+                f" {strategy.plan.stages_per_process} stages per process trains as its layout sets (with"
+                " `cpu_fraction='auto'` the rebalancer finds the CPU's share)."
+            )
+            self._planned = True
+            return
         strategy.plan_with(partial(self._plan_run, blocks=blocks, encoders=encoders))
 
     def _plan_run(

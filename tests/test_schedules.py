@@ -1,0 +1,181 @@
+"""Pipeline schedules with several stages per process (`pipeline.py`): Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, each process holding two of the stages (a loop, or
+a V), train the model one process trains (float64, 1e-10) across 2 and 3 processes, CPU fractions 0,
+mid and 1, coarse and fine (zero-bubble's weight pass included), with accumulation, clipping, the
+rebalancer and a resume; the monitor's trace shows every process's stage work; what a schedule cannot
+take is refused before any process starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from lightning_hetero import HeteroStrategy
+from lightning_hetero.pipeline import holders, stages_of
+from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.models import Net, TiedNet, regression_data
+from tests.test_replicas import assert_same_run
+
+TOL = 1e-10
+STEPS = 8
+
+
+def _known(name: str) -> bool:
+    try:
+        get_schedule_class(name)
+        return True
+    except ValueError:
+        return False
+
+
+SCHEDULES = [s for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV") if _known(s)]
+
+
+def micro_batches(schedule: str, processes: int) -> int:
+    """A count the schedule takes: DualPipeV one per stage, the others one per process."""
+    return 2 * processes if schedule == "DualPipeV" else processes
+
+
+def fit(strategy: Any, steps: int = STEPS, ckpt: Path | None = None, **kwargs: Any) -> Net:
+    model = Net().double()  # a checkpoint loads before the precision plugin converts the model
+    trainer(strategy, max_steps=steps, **kwargs).fit(model, regression_data(), ckpt_path=ckpt)
+    return model
+
+
+@pytest.fixture(scope="module")
+def plain() -> Net:
+    return fit(None)
+
+
+def test_stages_sit_in_a_loop_or_a_v() -> None:
+    assert [stages_of(r, 3, 2, v_shaped=False) for r in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    assert [stages_of(r, 3, 2, v_shaped=True) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    assert holders(2, 2, v_shaped=True) == [0, 1, 1, 0] and holders(2, 3, v_shaped=False) == [0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0], ids=["no-cpu-share", "mid", "all-on-cpu"])
+@pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_coarse_mode_trains_the_one_process_model(
+    tmp_path: Path, plain: Net, schedule: str, processes: int, fraction: float
+) -> None:
+    strategy = hetero(stages=["cpu"] * processes, schedule=schedule, micro_batches=micro_batches(schedule, processes), cpu_fraction=fraction)
+    assert strategy.plan.stages_per_process == 2
+    model = fit(strategy, callbacks=[RecordCopies(tmp_path)])
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fine_mode_steps_each_bucket_as_its_gradients_arrive(tmp_path: Path, plain: Net, schedule: str, processes: int) -> None:
+    """A bucket per block, every other one offloaded: each is summed and stepped once its gradients
+    of every micro-batch have arrived, also where a zero-bubble schedule computes them in a pass of
+    their own."""
+    strategy = hetero(
+        mode="fine", bucket_size_mb=1e-5, offload=[0, 2], stages=["cpu"] * processes, schedule=schedule,
+        micro_batches=micro_batches(schedule, processes), cpu_fraction=0.4,
+    )  # fmt: skip
+    model = fit(strategy, callbacks=[RecordCopies(tmp_path)])
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL
+
+
+@pytest.mark.parametrize(
+    ("schedule", "mode"), [("Interleaved1F1B", "coarse"), ("ZBVZeroBubble", "fine"), ("DualPipeV", "coarse")]
+)
+def test_with_accumulation_and_clipping(tmp_path: Path, schedule: str, mode: str) -> None:
+    if schedule not in SCHEDULES:
+        pytest.skip(f"this torch has no {schedule}")
+    strategy = hetero(mode=mode, stages=["cpu", "cpu"], schedule=schedule, micro_batches=4, cpu_fraction=0.3)
+    assert_same_run(tmp_path, strategy, accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+
+def test_the_rebalancer_moves_the_cpu_share(tmp_path: Path, plain: Net) -> None:
+    """`cpu_fraction="auto"`: the rebalancer moves the share while training; whatever it chooses, and
+    however the pipeline's share then splits into micro-batches, the model is the one process's."""
+    strategy = hetero(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, cpu_fraction="auto")
+    assert max_param_diff(plain, fit(strategy)) < TOL
+
+
+@pytest.mark.parametrize(("schedule", "mode"), [("Interleaved1F1B", "coarse"), ("ZBVZeroBubble", "fine")])
+def test_resume_matches_the_uninterrupted_run(tmp_path: Path, schedule: str, mode: str) -> None:
+    if schedule not in SCHEDULES:
+        pytest.skip(f"this torch has no {schedule}")
+
+    def strategy() -> HeteroStrategy:
+        return hetero(mode=mode, stages=["cpu", "cpu"], schedule=schedule, micro_batches=2, cpu_fraction=0.5)
+
+    saving = ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    whole = fit(strategy(), callbacks=[saving], enable_checkpointing=True)
+    resumed = fit(strategy(), ckpt=tmp_path / "step=4.ckpt")
+    assert max_param_diff(whole, resumed) < TOL
+    assert max_param_diff(fit(None, ckpt=tmp_path / "step=4.ckpt"), resumed) < TOL  # an ordinary checkpoint
+
+
+def test_the_trace_shows_every_stage_process_at_work(tmp_path: Path) -> None:
+    from lightning_hetero.callbacks import UtilizationMonitor
+
+    monitor = UtilizationMonitor(every_n_steps=2, trace_steps=4, save_dir=str(tmp_path), summary=False)
+    strategy = hetero(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, cpu_fraction=0.3)
+    fit(strategy, steps=4, callbacks=[monitor])
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in (1, 2):  # both stage processes, each computing its two stages, and waiting between them
+        track = sorted((e for e in spans if e["pid"] == rank), key=lambda e: e["ts"])
+        assert {"compute", "send/recv (and bubbles)"} <= {e["name"] for e in track}
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(track, track[1:]))  # no overlap
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(schedule="DualPipeV", micro_batches=2), "cannot run `micro_batches=2` with 2 stage process"),
+        (dict(schedule="Interleaved1F1B", micro_batches=5), "rounds \\(micro_batches // 2\\) divide"),
+        (dict(schedule="GPipe", stages_per_process=2), "runs one stage per process"),
+        (dict(schedule="Interleaved1F1B", stages_per_process=1), "`stages_per_process` must be 2 or more"),
+        (dict(schedule="ZBVZeroBubble", stages_per_process=3), "two stages per process in a V"),
+        (dict(schedule="Zigzag"), "not one of torch's pipeline schedules"),
+    ],
+    ids=["too-few-micro-batches", "rounds", "single-stage", "multi-stage-with-one", "v-with-three", "unknown"],
+)
+def test_what_a_schedule_cannot_take_is_refused_when_the_strategy_is_made(arguments: dict, message: str) -> None:
+    if arguments["schedule"] in ("DualPipeV", "ZBVZeroBubble") and arguments["schedule"] not in SCHEDULES:
+        pytest.skip(f"this torch has no {arguments['schedule']}")
+    with pytest.raises(ValueError, match=message):
+        HeteroStrategy(stages=["cpu", "cpu"], **arguments)
+
+
+def test_a_schedule_this_torch_lacks_names_the_torch_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_hetero.pipeline as pipeline
+
+    def lacking(name: str) -> type:
+        raise ValueError(f"Unknown schedule type {name}")
+
+    monkeypatch.setattr(pipeline, "get_schedule_class", lacking)
+    with pytest.raises(ValueError, match="came with torch 2.8; this torch .* lacks it"):
+        HeteroStrategy(stages=["cpu", "cpu"], schedule="DualPipeV", micro_batches=4)
+
+
+@pytest.mark.parametrize(
+    ("model", "arguments", "message"),
+    [
+        (Net, dict(stages=["cpu"] * 4), "Cannot cut 6 layer\\(s\\) into 8 pipeline stages"),
+        (TiedNet, dict(stages=["cpu", "cpu"]), "do not sum yet; use a single-stage schedule"),
+    ],
+    ids=["fewer-blocks-than-stages", "tied-weights"],
+)
+def test_a_model_the_stages_cannot_take_is_refused_before_any_process_starts(
+    no_processes: None, model: Any, arguments: dict, message: str
+) -> None:
+    strategy = hetero(schedule="Interleaved1F1B", micro_batches=2, cpu_fraction=0.5, **arguments)
+    with pytest.raises(ValueError, match=message):
+        trainer(strategy, max_steps=1).fit(model(), regression_data())
+
+
+def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:
+    assert HeteroStrategy(stages=["cpu", "cpu"], schedule="1F1B", micro_batches=2).plan.stages_per_process == 1
