@@ -21,7 +21,18 @@ import torch
 
 from benchmarks.common import Row, send_rows
 
-BENCHMARKS = ["overhead", "pipelining", "peers", "cpu_optimizer", "rebalancer", "loading", "multimodal", "sharding", "cuda"]
+BENCHMARKS = [
+    "overhead",
+    "pipelining",
+    "schedules",
+    "peers",
+    "cpu_optimizer",
+    "rebalancer",
+    "loading",
+    "multimodal",
+    "sharding",
+    "cuda",
+]
 NOT_WRITTEN = [
     "fine mode with offload / DeepSpeed ZeRO-Offload and torchao's CPUOffloadOptimizer (step time)",
     "largest model that fits, with / without offload (parameters)",

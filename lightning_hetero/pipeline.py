@@ -324,6 +324,8 @@ class Pipeline:
         self.schedule_cls = schedule
         self._loss = _ScaledLoss(loss_fn)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
+        per_process = len(self.stage_indices)
+        self._holders = holders(num_stages // per_process, per_process, schedule_name(schedule) in V_SHAPED)
 
     @property
     def is_first(self) -> bool:
@@ -357,9 +359,43 @@ class Pipeline:
 
     def eval_step(self, inputs: Any, micro_batches: int) -> Any:
         """Forward only over the share; return the merged outputs on the last stage."""
-        schedule = self._schedule(False, micro_batches, inputs)
         args, inputs_by_name = self._first_stage_args(inputs)
+        if schedule_name(self.schedule_cls) in V_SHAPED:
+            # torch's runtime passes a V's gradients between the two stages a process holds even where
+            # there is no backward, and fails: the forward runs here, every micro-batch in stage order.
+            return self._forward_in_stage_order(args, inputs_by_name, micro_batches)
+        schedule = self._schedule(False, micro_batches, inputs)
         return schedule.step(*args, **inputs_by_name)
+
+    def _forward_in_stage_order(self, args: tuple, kwargs: dict[str, Any], micro_batches: int) -> Any:
+        """Each micro-batch through every stage in order: this process runs its stages, receives a
+        stage's inputs from the process of the stage before and sends its outputs on (over the
+        pipeline's group, whose rank ``r`` is stage process ``r``); the last stage's outputs, merged."""
+        me, owner = dist.get_rank(self.group), self._holders
+        modules = dict(zip(self.stage_indices, self.modules))
+        chunks = _chunks(args, kwargs, micro_batches) if self.is_first else [None] * micro_batches
+        outputs = []
+        for chunk in chunks:
+            carried: Any = None
+            for stage in range(self.num_stages):
+                if owner[stage] != me:
+                    continue
+                if stage == 0:
+                    chunk_args, chunk_kwargs = chunk
+                    carried = modules[0](*chunk_args, **chunk_kwargs)
+                else:
+                    if owner[stage - 1] != me:
+                        carried = _receive_tensors(owner[stage - 1], self.group, self.device)
+                    carried = modules[stage](*carried) if isinstance(carried, tuple) else modules[stage](carried)
+                if stage == self.num_stages - 1:
+                    outputs.append(carried)
+                elif owner[stage + 1] != me:
+                    _send_tensors(carried, owner[stage + 1], self.group, self.device)
+        if not outputs:
+            return None
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return torch.cat(outputs)
 
     def _first_stage_args(self, inputs: Any) -> tuple[tuple, dict[str, Any]]:
         """The first stage's inputs as the schedule's positional arguments, or, for a dict, keyword ones."""
@@ -394,6 +430,51 @@ class Pipeline:
         else:
             self._schedules.move_to_end(key)
         return schedule
+
+
+def _chunks(args: tuple, kwargs: dict[str, Any], count: int) -> list[tuple[tuple, dict[str, Any]]]:
+    """The first stage's inputs cut into ``count`` micro-batches along their first dimension."""
+    def cut(value: Any) -> list[Any]:
+        return list(torch.tensor_split(value, count)) if isinstance(value, Tensor) else [value] * count
+
+    pieces = [cut(a) for a in args]
+    named = {k: cut(v) for k, v in kwargs.items()}
+    return [(tuple(p[k] for p in pieces), {n: v[k] for n, v in named.items()}) for k in range(count)]
+
+
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
+
+
+def _send_tensors(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """A stage's outputs (a tensor or a tuple of them) to group rank ``dst``: how many, each one's dtype
+    and shape, then each."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    header = [len(tensors), int(isinstance(value, tuple))]
+    for t in tensors:
+        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    size = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    dist.send(size, group_dst=dst, group=group)
+    dist.send(torch.tensor(header, dtype=torch.int64, device=device), group_dst=dst, group=group)
+    for t in tensors:
+        dist.send(t.detach().contiguous(), group_dst=dst, group=group)
+
+
+def _receive_tensors(src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
+    """What ``_send_tensors`` sent from group rank ``src``."""
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, group_src=src, group=group)
+    header = torch.empty(int(size), dtype=torch.int64, device=device)
+    dist.recv(header, group_src=src, group=group)
+    fields, tensors = header.tolist(), []
+    count, is_tuple, at = fields[0], fields[1], 2
+    for _ in range(count):
+        dtype, ndim = _DTYPES[fields[at]], fields[at + 1]
+        shape = fields[at + 2 : at + 2 + ndim]
+        at += 2 + ndim
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, group_src=src, group=group)
+        tensors.append(tensor)
+    return tuple(tensors) if is_tuple else tensors[0]
 
 
 def _layout(inputs: Any) -> tuple:

@@ -24,10 +24,10 @@ def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
     lines = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = {line[0].lstrip("| ") for line in lines}
     assert names == {
-        "overhead", "pipeline overhead", "hetero vs Lightning", "CPU optimizer", "rebalancer", "loading", "multimodal",
-        "sharding", "CUDA",
+        "overhead", "pipeline overhead", "schedules", "hetero vs Lightning", "CPU optimizer", "rebalancer", "loading",
+        "multimodal", "sharding", "CUDA",
     }  # fmt: skip
-    assert len(BENCHMARKS) == 9
+    assert len(BENCHMARKS) == 10
     for benchmark, _, value, *_ in lines:
         if benchmark.lstrip("| ") == "CUDA":
             assert value == "n/a"  # no CUDA device here: reported, not measured (or not written yet)

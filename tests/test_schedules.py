@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -116,6 +117,27 @@ def test_resume_matches_the_uninterrupted_run(tmp_path: Path, schedule: str, mod
     resumed = fit(strategy(), ckpt=tmp_path / "step=4.ckpt")
     assert max_param_diff(whole, resumed) < TOL
     assert max_param_diff(fit(None, ckpt=tmp_path / "step=4.ckpt"), resumed) < TOL  # an ordinary checkpoint
+
+
+@pytest.mark.parametrize(("schedule", "cpu_workers"), [("ZBVZeroBubble", 0), ("Interleaved1F1B", 1), ("DualPipeV", 1)])
+def test_validation_and_prediction_give_one_process_outputs(schedule: str, cpu_workers: int) -> None:
+    """Forward only, the stages in a loop run torch's schedule; in a V (whose first process holds the
+    last stage too, here the run's global rank 0 without a CPU worker) every micro-batch goes through
+    the stages in order."""
+    if schedule not in SCHEDULES:
+        pytest.skip(f"this torch has no {schedule}")
+    validation, prediction = regression_data(n=20, seed=3), regression_data(n=25, batch_size=6, seed=4)
+    plain, model = Net().double(), Net().double()
+    reference = trainer(None, max_steps=STEPS)
+    reference.fit(plain, regression_data(), val_dataloaders=validation)
+    layout = dict(stages=["cpu", "cpu"], schedule=schedule, micro_batches=4, cpu_workers=cpu_workers, cpu_fraction=0.0)
+    run = trainer(hetero(**layout), max_steps=STEPS)
+    run.fit(model, regression_data(), val_dataloaders=validation)
+    assert max_param_diff(plain, model) < TOL
+    assert float(run.callback_metrics["val_loss"]) == pytest.approx(float(reference.callback_metrics["val_loss"]), abs=1e-12)
+    predicted = trainer(hetero(**layout)).predict(model, prediction)
+    expected = trainer(None).predict(plain, prediction)
+    assert len(predicted) == len(expected) and all(torch.allclose(a, b, atol=1e-12) for a, b in zip(predicted, expected))
 
 
 def test_the_trace_shows_every_stage_process_at_work(tmp_path: Path) -> None:

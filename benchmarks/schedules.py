@@ -1,0 +1,152 @@
+"""Pipeline schedules with several stages per process, against GPipe and 1F1B and against torch's own
+pipelining run by hand with the same schedule, in one run.
+
+Every configuration trains the same MLP (``benchmarks.common.MLP``) on the same batches, on two
+emulated stage processes (two processes on this machine's cores, gloo between them), with the same
+micro-batch count and the same AdamW step, and no CPU worker: the strategy under a Lightning
+``Trainer`` with ``cpu_workers=0`` and ``schedule=...`` (a multi-stage schedule: two stages per
+process, the blocks cut into four), and the same schedule written by hand with
+``torch.distributed.pipelining`` (build the stages where the strategy puts them, run
+``schedule.step`` and ``optimizer.step`` per batch). Configurations alternate in one run; medians of
+the per-step times after a warm-up are reported. Emulated stages on shared cores leave little bubble
+to remove (see DESIGN.md, "Measuring speed"): the schedules' gains over GPipe and 1F1B are for a
+machine with a device per stage.
+
+    python -m benchmarks.schedules [--steps N] [--repeats R] [--micro-batches M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.utils.data import DataLoader
+
+from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
+from lightning_hetero import HeteroStrategy
+from lightning_hetero.pipeline import V_SHAPED, is_multi_stage, partition_layers, stages_of
+
+PROCESSES = 2
+WARMUP = 3
+DEFAULTS = dict(steps=40, repeats=3, micro_batches=4, width=512, batch_size=256)
+
+
+def available() -> list[str]:
+    """The multi-stage schedules this torch has."""
+    found = []
+    for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        try:
+            get_schedule_class(name)
+            found.append(name)
+        except ValueError:
+            pass
+    return found
+
+
+def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
+    torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores
+    store = dist.FileStore(str(out / "store"), PROCESSES)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=PROCESSES, timeout=timedelta(seconds=60))
+    cls = get_schedule_class(schedule)
+    per_process = 2 if is_multi_stage(cls) else 1
+    count = PROCESSES * per_process
+    bounds = partition_layers(model.pipeline_layers(), count)
+    mine = stages_of(rank, PROCESSES, per_process, schedule in V_SHAPED) if per_process > 1 else [rank]
+    parts = [nn.Sequential(*model.pipeline_layers()[slice(*bounds[s])]) for s in mine]
+    stages = [PipelineStage(part, s, count, torch.device("cpu")) for part, s in zip(parts, mine)]
+    runner = cls(stages if per_process > 1 else stages[0], micro_batches, loss_fn=model.pipeline_loss)
+    optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-3)
+    times, last = [], time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad()
+        args = (x,) if 0 in mine else ()
+        kwargs = {"target": y} if count - 1 in mine else {}
+        runner.step(*args, **kwargs)
+        optimizer.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    if rank == 0:
+        (out / "times.json").write_text(json.dumps(times[WARMUP:]))
+    dist.destroy_process_group()
+
+
+def plain_pipelining(model: MLP, loader: DataLoader, schedule: str, micro_batches: int) -> list[float]:
+    """Per-step times of the hand-written loop (forked processes, like the strategy's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        mp.start_processes(
+            _plain_rank, args=(model, loader, schedule, micro_batches, out), nprocs=PROCESSES, start_method="fork"
+        )
+        return json.loads((out / "times.json").read_text())
+
+
+def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size: int) -> dict[str, dict[str, float]]:
+    """Per schedule: the strategy's median step, and for the multi-stage ones the hand-written loop's."""
+    torch.set_num_threads(1)  # this process only launches workers; keep forking safe
+    loader = synthetic_loader(batch_size * steps, batch_size)
+    configs = {}
+    for schedule in ["GPipe", "1F1B", *available()]:
+
+        def strategy(schedule: str = schedule) -> list[float]:
+            hetero = HeteroStrategy(
+                stages=["cpu"] * PROCESSES, cpu_workers=0, micro_batches=micro_batches, schedule=schedule, start_method="fork"
+            )
+            return step_times(hetero, MLP(width=width), loader, steps)
+
+        configs[f"{schedule}/hetero"] = strategy
+        if schedule not in ("GPipe", "1F1B"):
+            configs[f"{schedule}/plain"] = lambda schedule=schedule: plain_pipelining(MLP(width=width), loader, schedule, micro_batches)
+    medians = {name: statistics.median(t) for name, t in interleave(configs, repeats).items()}
+    results: dict[str, dict[str, float]] = {}
+    for name, value in medians.items():
+        schedule, side = name.split("/")
+        results.setdefault(schedule, {})[side] = value
+    return results
+
+
+def rows(smoke: bool = False) -> list[Row]:
+    sizes = dict(steps=6, repeats=1, width=32, batch_size=16) if smoke else {}
+    results = measure(**{**DEFAULTS, **sizes})
+    gpipe, one_f_one_b = results["GPipe"]["hetero"], results["1F1B"]["hetero"]
+    out = []
+    for schedule, r in results.items():
+        if schedule in ("GPipe", "1F1B"):
+            continue
+        out += [
+            Row("schedules", f"{schedule}: hetero / plain torch pipelining, same schedule (step time)", r["hetero"] / r["plain"], "<= 1.05", "2 processes x 2 stages"),
+            Row("schedules", f"{schedule} / GPipe (hetero, step time)", r["hetero"] / gpipe, "< 1 with a device per stage", ""),
+            Row("schedules", f"{schedule} / 1F1B (hetero, step time)", r["hetero"] / one_f_one_b, "< 1 with a device per stage", ""),
+        ]  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for key, value in DEFAULTS.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+    args = parser.parse_args()
+    results = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size)
+    print(f"MLP 6x{args.width}, batch {args.batch_size}, {PROCESSES} emulated stage processes, {args.micro_batches} micro-batches; median step (ms)")
+    gpipe, one_f_one_b = results["GPipe"]["hetero"], results["1F1B"]["hetero"]
+    for schedule, r in results.items():
+        plain = f"plain {r['plain'] * 1e3:8.2f} (hetero/plain {r['hetero'] / r['plain']:.3f})" if "plain" in r else ""
+        print(
+            f"{schedule:>22s}: hetero {r['hetero'] * 1e3:8.2f}, / GPipe {r['hetero'] / gpipe:.3f}, / 1F1B"
+            f" {r['hetero'] / one_f_one_b:.3f}  {plain}"
+        )
+
+
+if __name__ == "__main__":
+    main()
