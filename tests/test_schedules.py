@@ -201,3 +201,16 @@ def test_a_model_the_stages_cannot_take_is_refused_before_any_process_starts(
 
 def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:
     assert HeteroStrategy(stages=["cpu", "cpu"], schedule="1F1B", micro_batches=2).plan.stages_per_process == 1
+
+
+def test_the_analyzer_keeps_a_multi_stage_layout(tmp_path: Path, plain: Net) -> None:
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+
+    def strategy() -> HeteroStrategy:
+        return hetero(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, cpu_fraction=0.5)
+
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="plans single-stage schedules only; schedule 'Interleaved1F1B' with 2 stages"):
+        analyzer.setup(trainer(strategy(), max_steps=STEPS, callbacks=[analyzer]), Net(), "fit")  # as each process calls it
+    assert max_param_diff(plain, fit(strategy(), callbacks=[analyzer])) < TOL
+    assert not (tmp_path / "plan.yaml").exists()
