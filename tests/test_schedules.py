@@ -104,13 +104,20 @@ def test_the_rebalancer_moves_the_cpu_share(tmp_path: Path, plain: Net) -> None:
     assert max_param_diff(plain, fit(strategy)) < TOL
 
 
-@pytest.mark.parametrize(("schedule", "mode"), [("Interleaved1F1B", "coarse"), ("ZBVZeroBubble", "fine")])
-def test_resume_matches_the_uninterrupted_run(tmp_path: Path, schedule: str, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "mode", "cpu_workers"), [("Interleaved1F1B", "coarse", 1), ("ZBVZeroBubble", "fine", 1), ("ZBVZeroBubble", "coarse", 0)]
+)
+def test_resume_matches_the_uninterrupted_run(tmp_path: Path, schedule: str, mode: str, cpu_workers: int) -> None:
+    """Without a CPU worker, global rank 0 is the first stage process, which in a V holds the first
+    and the last stage: the checkpoint gathers every process's stages into one state."""
     if schedule not in SCHEDULES:
         pytest.skip(f"this torch has no {schedule}")
 
     def strategy() -> HeteroStrategy:
-        return hetero(mode=mode, stages=["cpu", "cpu"], schedule=schedule, micro_batches=2, cpu_fraction=0.5)
+        return hetero(
+            mode=mode, stages=["cpu", "cpu"], schedule=schedule, micro_batches=2, cpu_workers=cpu_workers,
+            cpu_fraction=0.5 if cpu_workers else 0.0,
+        )  # fmt: skip
 
     saving = ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     whole = fit(strategy(), callbacks=[saving], enable_checkpointing=True)
@@ -197,6 +204,14 @@ def test_a_model_the_stages_cannot_take_is_refused_before_any_process_starts(
     strategy = hetero(schedule="Interleaved1F1B", micro_batches=2, cpu_fraction=0.5, **arguments)
     with pytest.raises(ValueError, match=message):
         trainer(strategy, max_steps=1).fit(model(), regression_data())
+
+
+def test_placed_encoders_are_refused_with_several_stages_per_process(no_processes: None) -> None:
+    from tests.models import PipelinedMultimodal
+
+    strategy = HeteroStrategy(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, encoders={"image": "cpu0"})
+    with pytest.raises(ValueError, match="places encoders .* with a single-stage schedule"):
+        strategy.check_model(PipelinedMultimodal())
 
 
 def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:
