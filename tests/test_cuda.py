@@ -1,6 +1,6 @@
 """The CUDA paths, on a machine with a GPU: a GPU stage beside a CPU worker trains the model one
 device trains; fine mode's pinned staging, side streams and offloaded steps; two CPU workers
-splitting their optimizer beside a GPU stage; bf16 on the GPU; the memory the offload saves;
+splitting their optimizer beside a GPU stage; two stages per process across a GPU and a CPU process; bf16 on the GPU; the memory the offload saves;
 checkpoints; NVML stats and CUDA-event spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
@@ -139,6 +139,16 @@ def test_bf16_mixed_on_the_gpu_beside_a_bf16_cpu_worker(reference: dict) -> None
 def test_a_gpu_stage_beside_a_cpu_stage(reference: dict) -> None:
     model = fit(hetero(stages=["cuda:0", "cpu"], cpu_fraction=0.25, micro_batches=2))
     assert max_param_diff(reference, model) < TOL["64-true"]
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_a_gpu_stage_beside_a_cpu_stage_with_two_stages_each(reference: dict, schedule: str) -> None:
+    """Several stages per process (`docs/schedules.md`) across a GPU and a CPU process, with their
+    validation (a V evaluates micro-batch by micro-batch, sending the activations itself)."""
+    model = fit(hetero(stages=["cuda:0", "cpu"], schedule=schedule, cpu_fraction=0.25, micro_batches=2))
+    assert max_param_diff(reference, model) < TOL["64-true"]
+    validated = trainer(hetero(stages=["cuda:0", "cpu"], schedule=schedule, micro_batches=2)).validate(model, regression_data(n=20, seed=3))
+    assert validated and all(v == v for v in validated[0].values())  # finite, computed
 
 
 def test_checkpoints_resume_exactly_on_the_gpu(reference: dict, tmp_path: Path) -> None:
