@@ -1,7 +1,8 @@
 """The CUDA paths, on a machine with a GPU: a GPU stage beside a CPU worker trains the model one
 device trains; fine mode's pinned staging, side streams and offloaded steps; two CPU workers
-splitting their optimizer beside a GPU stage; two stages per process across a GPU and a CPU process; bf16 on the GPU; the memory the offload saves;
-checkpoints; NVML stats and CUDA-event spans; a killed GPU rank.
+splitting their optimizer beside a GPU stage; two stages per process across a GPU and a CPU
+process; bf16 on the GPU; the memory the offload saves; checkpoints; NVML stats and CUDA-event
+spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
 machine). The main process never touches CUDA, so the workers can be forked; the reference runs on
