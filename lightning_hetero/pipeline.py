@@ -38,6 +38,7 @@ __all__ = [
     "resolve_schedule",
     "schedule_name",
     "is_multi_stage",
+    "schedule_class",
     "stages_of",
     "holders",
     "StageModule",
@@ -109,7 +110,8 @@ def is_multi_stage(schedule: type) -> bool:
     return isinstance(schedule, type) and issubclass(schedule, PipelineScheduleMulti)
 
 
-def _schedule_class(schedule: ScheduleArg) -> type:
+def schedule_class(schedule: ScheduleArg) -> type:
+    """The class of a schedule torch knows by this name (a class as given); a clear error otherwise."""
     if not isinstance(schedule, str):
         return schedule
     try:
@@ -130,7 +132,7 @@ def _schedule_class(schedule: ScheduleArg) -> type:
 def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int, per_process: int = 1) -> type:
     """The schedule class for a name ``get_schedule_class`` knows, checked against the layout:
     ``num_stages`` stage processes, each holding ``per_process`` stages, and ``micro_batches``."""
-    cls = _schedule_class(schedule)
+    cls = schedule_class(schedule)
     multi = is_multi_stage(cls)
     if not multi and not (isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle) and cls is not PipelineScheduleSingle):
         raise ValueError(f"{schedule!r} is not a pipeline schedule; pass a schedule's name (e.g. 'GPipe').")

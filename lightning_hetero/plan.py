@@ -29,7 +29,7 @@ from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
 from lightning_hetero.offload import check_offload
-from lightning_hetero.pipeline import _schedule_class, is_multi_stage, partition_layers, resolve_schedule
+from lightning_hetero.pipeline import schedule_class, is_multi_stage, partition_layers, resolve_schedule
 from lightning_hetero.pipeline import schedule_name
 from lightning_hetero.sync import make_buckets
 from lightning_hetero.topology import parse_device, resolve_stage_devices
@@ -298,7 +298,7 @@ class HeteroPlan:
         _check_int("micro_batches", micro_batches, minimum=1)
         name = schedule_name(schedule)
         if stages_per_process == "auto":
-            stages_per_process = 2 if is_multi_stage(_schedule_class(name)) else 1
+            stages_per_process = 2 if is_multi_stage(schedule_class(name)) else 1
         _check_int("stages_per_process", stages_per_process, minimum=1)
         if cpu_threads is not None:
             _check_int("cpu_threads", cpu_threads, minimum=1)

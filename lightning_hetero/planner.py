@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 
+from lightning_hetero.pipeline import is_multi_stage, schedule_class
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
 from lightning_hetero.shares import largest_divisor_at_most, split_batch
@@ -936,7 +937,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--link-latency-us", type=float, default=None, help="latency of every link (default: as profiled)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the profiled batch)")
     parser.add_argument("--mode", choices=["coarse", "fine"], default="coarse")
-    parser.add_argument("--schedule", default="GPipe")
+    parser.add_argument("--schedule", default="GPipe", help="a single-stage schedule: GPipe or 1F1B")
     parser.add_argument(
         "--parallelism",
         choices=["pipeline", "replicas", "auto"],
@@ -954,6 +955,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _place_encoders(parser, args)
         return
     try:
+        if is_multi_stage(schedule_class(args.schedule)):
+            parser.error(
+                f"--schedule {args.schedule}: the planner plans single-stage schedules ('GPipe', '1F1B'); a run with several"
+                " stages per process keeps the layout it is given (docs/schedules.md)."
+            )
         profile = Profile.load(args.profile)
         machine = hypothetical_machine(
             profile,

@@ -229,3 +229,11 @@ def test_the_analyzer_keeps_a_multi_stage_layout(tmp_path: Path, plain: Net) -> 
         analyzer.setup(trainer(strategy(), max_steps=STEPS, callbacks=[analyzer]), Net(), "fit")  # as each process calls it
     assert max_param_diff(plain, fit(strategy(), callbacks=[analyzer])) < TOL
     assert not (tmp_path / "plan.yaml").exists()
+
+
+def test_the_command_line_planner_says_it_plans_single_stage_schedules(capsys: pytest.CaptureFixture) -> None:
+    from lightning_hetero.planner import main as planner_main
+
+    with pytest.raises(SystemExit):
+        planner_main(["profile.json", "--schedule", "Interleaved1F1B"])
+    assert "the planner plans single-stage schedules" in capsys.readouterr().err
