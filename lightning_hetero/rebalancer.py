@@ -409,6 +409,8 @@ class AdaptiveRebalancer(L.Callback):
             only DataLoaders the strategy's ``dataloader_workers`` lets the run tune) and fewer
             CPU-worker threads while the step waits for its batches, and back once it no longer does.
         max_dataloader_workers: the most DataLoader workers per rank it gives (``None``: one per core).
+        loading_jitter_s: a wait for data shorter than this (seconds per batch, above the training loop's
+            own work) is the loop's jitter, never a stall; raise it on a machine whose steps vary more.
         verbose: print every decision that changes the fraction or the split.
     """
 
@@ -422,6 +424,7 @@ class AdaptiveRebalancer(L.Callback):
         probe_after: int = 10,
         balance_loading: bool = True,
         max_dataloader_workers: Optional[int] = None,
+        loading_jitter_s: float = 0.005,
         verbose: bool = True,
     ) -> None:
         if every_n_steps < 1 or not 0 <= warmup_steps < every_n_steps:
@@ -438,6 +441,9 @@ class AdaptiveRebalancer(L.Callback):
         self.verbose = verbose
         self.balance_loading = balance_loading
         self.max_dataloader_workers = max_dataloader_workers
+        if not loading_jitter_s >= 0:
+            raise ValueError(f"`loading_jitter_s={loading_jitter_s}` must be a number of seconds, 0 or more.")
+        self.loading_jitter_s = float(loading_jitter_s)
         self.loading: Optional[LoadBalancer] = None
         self._workers_in_effect = True
         self._moves_fraction = True
@@ -467,7 +473,7 @@ class AdaptiveRebalancer(L.Callback):
             )
             return
         self.balancer = Balancer(strategy.micro_batches, strategy.topology.cpu_workers, **self._settings)
-        self.loading = _load_balancer(strategy, self.max_dataloader_workers) if self.balance_loading else None
+        self.loading = _load_balancer(strategy, self.max_dataloader_workers, self.loading_jitter_s) if self.balance_loading else None
         self._pending, self._last_step = _Pending(), trainer.global_step
         if self._restored is not None:
             self.balancer.load_state_dict(self._restored["balancer"])
@@ -644,14 +650,14 @@ class AdaptiveRebalancer(L.Callback):
 
 
 
-def _load_balancer(strategy: "HeteroStrategy", most: Optional[int]) -> LoadBalancer:
+def _load_balancer(strategy: "HeteroStrategy", most: Optional[int], jitter_s: float = 0.005) -> LoadBalancer:
     """The split between loading and compute the run starts from: its tuned DataLoaders' workers (or
     0 where it tunes none), and its CPU workers' threads; at most ``most`` workers per rank (``None``:
     one per core)."""
     loaders = strategy.tuned_loaders
     workers = loaders[0].num_workers if loaders else 0
     most = usable_cores() if most is None else most
-    return LoadBalancer(workers, strategy.cpu_worker_threads, max(workers, most), movable_workers=bool(loaders))
+    return LoadBalancer(workers, strategy.cpu_worker_threads, max(workers, most), movable_workers=bool(loaders), least=jitter_s)
 
 
 def earn_fraction(trainer: L.Trainer) -> None:

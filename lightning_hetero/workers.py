@@ -10,9 +10,10 @@ step engine never ask which role a process has.
 
 A ``CpuWorker`` runs the module's own step methods (``training_step``, ``validation_step``, ...)
 on its share with the full replica. A ``StageWorker`` runs its slice of the layers in the
-pipeline schedule; on the last stage it then *replays* the module's step method with ``forward``
-returning the pipeline's outputs, so that the loss and everything the step logs are computed on
-the pipeline's share by the user's own code.
+pipeline schedule (its slices, with a multi-stage schedule: ``pipeline.py``); the process of the last
+stage then *replays* the module's step method with ``forward`` returning the pipeline's outputs, so
+that the loss and everything the step logs are computed on the pipeline's share by the user's own
+code.
 
 Both do their forward and backward inside ``training_step`` (so every rank knows the step's loss
 when ``training_step`` returns). Lightning zeroes gradients *after* ``training_step``, so the new
