@@ -19,65 +19,20 @@ loop without a pipeline, one process), which every hetero row includes.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader
 
 from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
+from benchmarks.schedules import PROCESSES as STAGES
+from benchmarks.schedules import plain_pipelining
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.pipeline import partition_layers
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-STAGES = 2
+SCHEDULES = ("GPipe", "1F1B")
 WARMUP = 3
 DEFAULTS = dict(steps=40, repeats=3, micro_batches=[1, 2, 4], width=512, batch_size=256)
-
-
-def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
-    torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(out / "store"), STAGES), rank=rank, world_size=STAGES, timeout=timedelta(seconds=60)
-    )
-    start, stop = partition_layers(model.pipeline_layers(), STAGES)[rank]
-    part = nn.Sequential(*model.pipeline_layers()[start:stop])
-    stage = PipelineStage(part, rank, STAGES, torch.device("cpu"))
-    # Every rank passes the loss: it tells the schedule to run the backward too.
-    runner = SCHEDULES[schedule](stage, micro_batches, loss_fn=model.pipeline_loss)
-    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3)
-    times, last = [], time.perf_counter()
-    for x, y in loader:
-        optimizer.zero_grad()
-        if rank == 0:
-            runner.step(x)
-        else:
-            runner.step(target=y)
-        optimizer.step()
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    if rank == 0:
-        (out / "times.json").write_text(json.dumps(times[WARMUP:]))
-    dist.destroy_process_group()
-
-
-def plain_pipelining(model: MLP, loader: DataLoader, schedule: str, micro_batches: int) -> list[float]:
-    """Per-step times of the hand-written loop (forked processes, like the strategy's)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        mp.start_processes(
-            _plain_rank, args=(model, loader, schedule, micro_batches, out), nprocs=STAGES, start_method="fork"
-        )
-        return json.loads((out / "times.json").read_text())
 
 
 def plain_loop(model: MLP, loader: DataLoader) -> list[float]:

@@ -55,6 +55,7 @@ def available() -> list[str]:
 
 
 def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
+    """One process of the hand-written loop, with any schedule (``benchmarks.pipelining`` runs it too)."""
     torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores
     store = dist.FileStore(str(out / "store"), PROCESSES)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PROCESSES, timeout=timedelta(seconds=60))
