@@ -81,7 +81,8 @@ SPLIT = "split"
 
 _HOST = re.compile(r"^(cpu|device|replica|stage)(\d*)$")
 _HEADER = 10  # ndim, dtype, then up to 8 dimensions
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
+WIRE_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
+"""The dtypes a tensor sent between processes may have, by the code its header carries (``pipeline.py`` too)."""
 
 
 class MultimodalModule:
@@ -526,7 +527,7 @@ class EncoderExchange:
         with span(self._clock, "encoder wait"):
             header = torch.empty(_HEADER, dtype=torch.int64)
             dist.recv(header, received.rank, group=self._group, tag=received.tag)
-            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+            ndim, dtype = int(header[0]), WIRE_DTYPES[int(header[1])]
             buffer = self._host_buffer([int(d) for d in header[2 : 2 + ndim]], dtype)
             dist.recv(buffer, received.rank, group=self._group, tag=received.tag)
         return buffer.to(self._device, non_blocking=True)
@@ -548,10 +549,10 @@ def _on_host(tensor: Tensor) -> Tensor:
 
 
 def _header(output: Tensor) -> Tensor:
-    if output.dtype not in _DTYPES or output.dim() > _HEADER - 2:
+    if output.dtype not in WIRE_DTYPES or output.dim() > _HEADER - 2:
         raise TypeError(f"An encoder output of {output.dtype} with {output.dim()} dimensions cannot be sent.")
     header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[: 2 + output.dim()] = torch.tensor([output.dim(), _DTYPES.index(output.dtype), *output.shape])
+    header[: 2 + output.dim()] = torch.tensor([output.dim(), WIRE_DTYPES.index(output.dtype), *output.shape])
     return header
 
 

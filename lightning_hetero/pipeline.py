@@ -30,7 +30,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_flatten
 
-from lightning_hetero.multimodal import in_backward, micro_batch
+from lightning_hetero.multimodal import WIRE_DTYPES, in_backward, micro_batch
 from lightning_hetero.module import run_layers
 
 __all__ = [
@@ -146,7 +146,7 @@ def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int,
         raise ValueError(f"Schedule {name} runs several stages per process: `stages_per_process` must be 2 or more.")
     if name in V_SHAPED and per_process != 2:
         raise ValueError(f"Schedule {name} places two stages per process in a V: `stages_per_process` must be 2.")
-    if micro_batches < min_micro_batches(cls, num_stages, per_process) or not takes(cls, num_stages, per_process, micro_batches):
+    if not takes(cls, num_stages, per_process, micro_batches):
         raise ValueError(
             f"Schedule {name} cannot run `micro_batches={micro_batches}` with {num_stages} stage process(es)"
             f" x {per_process} stage(s): {needs(cls, num_stages, per_process)}."
@@ -311,7 +311,7 @@ class Pipeline:
         *,
         modules: Sequence[StageModule],
         stage_indices: Sequence[int],
-        num_stages: int,
+        holders: Sequence[int],
         device: torch.device,
         group: dist.ProcessGroup,
         schedule: type,
@@ -319,15 +319,15 @@ class Pipeline:
     ) -> None:
         self.modules = list(modules)
         self.stage_indices = list(stage_indices)
-        self.num_stages = num_stages
+        self.holders = list(holders)
+        """The stage process that holds each stage, every process's (``stages_of``)."""
+        self.num_stages = len(self.holders)
         """Stages in all, every process's."""
         self.device = device
         self.group = group
         self.schedule_cls = schedule
         self._loss = _ScaledLoss(loss_fn)
         self._schedules: OrderedDict[tuple, Any] = OrderedDict()
-        per_process = len(self.stage_indices)
-        self._holders = holders(num_stages // per_process, per_process, schedule_name(schedule) in V_SHAPED)
 
     @property
     def is_first(self) -> bool:
@@ -373,7 +373,7 @@ class Pipeline:
         """Each micro-batch through every stage in order: this process runs its stages, receives a
         stage's inputs from the process of the stage before and sends its outputs on (over the
         pipeline's group, whose rank ``r`` is stage process ``r``); the last stage's outputs, merged."""
-        me, owner = dist.get_rank(self.group), self._holders
+        me, owner = dist.get_rank(self.group), self.holders
         modules = dict(zip(self.stage_indices, self.modules))
         chunks = _chunks(args, kwargs, micro_batches) if self.is_first else [None] * micro_batches
         outputs = []
@@ -419,7 +419,7 @@ class Pipeline:
                 for module, index in zip(self.modules, self.stage_indices)
             ]
             loss = self._loss if train else None
-            processes = self.num_stages // len(stages)
+            processes = len(set(self.holders))
             # A batch that only splits into fewer micro-batches than the schedule takes (see `shares.py`)
             # runs GPipe's order on the same stages, which computes the same gradients in another order.
             cls = fallback(self.schedule_cls, processes, len(stages), micro_batches)
@@ -444,16 +444,13 @@ def _chunks(args: tuple, kwargs: dict[str, Any], count: int) -> list[tuple[tuple
     return [(tuple(p[k] for p in pieces), {n: v[k] for n, v in named.items()}) for k in range(count)]
 
 
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
-
-
 def _send_tensors(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
     """A stage's outputs (a tensor or a tuple of them) to group rank ``dst``: how many, each one's dtype
     and shape, then each."""
     tensors = value if isinstance(value, tuple) else (value,)
     header = [len(tensors), int(isinstance(value, tuple))]
     for t in tensors:
-        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        header += [WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
     size = torch.tensor([len(header)], dtype=torch.int64, device=device)
     dist.send(size, group_dst=dst, group=group)
     dist.send(torch.tensor(header, dtype=torch.int64, device=device), group_dst=dst, group=group)
@@ -470,7 +467,7 @@ def _receive_tensors(src: int, group: dist.ProcessGroup, device: torch.device) -
     fields, tensors = header.tolist(), []
     count, is_tuple, at = fields[0], fields[1], 2
     for _ in range(count):
-        dtype, ndim = _DTYPES[fields[at]], fields[at + 1]
+        dtype, ndim = WIRE_DTYPES[fields[at]], fields[at + 1]
         shape = fields[at + 2 : at + 2 + ndim]
         at += 2 + ndim
         tensor = torch.empty(shape, dtype=dtype, device=device)

@@ -115,11 +115,13 @@ class Placement:
         """The processes the stages are on (one for replicas, whose blocks are one stage)."""
         return len(set(self.holders)) if self.holders is not None else len(self.bounds)
 
+    def holder(self, stage: int) -> int:
+        """The stage process that holds ``stage``."""
+        return self.holders[stage] if self.holders is not None else stage
+
     def stages_of(self, process: int) -> list[int]:
         """The stages stage process ``process`` holds."""
-        if self.holders is None:
-            return [process]
-        return [s for s, holder in enumerate(self.holders) if holder == process]
+        return [s for s in range(len(self.bounds)) if self.holder(s) == process]
 
     def stage_params(self, stage: int) -> list[nn.Parameter]:
         """The parameters of ``stage``'s blocks, frozen ones included (they may be unfrozen later),
@@ -295,8 +297,7 @@ class Worker:
                 return DeviceStep
             if sharding is None or b.tied:
                 return OffloadStep
-            process = place.holders[b.stage] if place.holders is not None else b.stage  # its sharding groups' index
-            return partial(ShardedStep, sharding=sharding, stage=process)
+            return partial(ShardedStep, sharding=sharding, stage=place.holder(b.stage))  # its sharding groups' index
 
         entries = [(self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), step_of(b)) for b in own]
         shares = sharding is not None and bool(offloaded)
@@ -574,7 +575,7 @@ class StageWorker(Worker):
         pipeline = Pipeline(
             modules=[StageModule(placement.layers[start:stop]) for start, stop in (placement.bounds[s] for s in stages)],
             stage_indices=stages,
-            num_stages=len(placement.bounds),
+            holders=[placement.holder(s) for s in range(len(placement.bounds))],
             device=device,
             group=group,
             schedule=schedule,
