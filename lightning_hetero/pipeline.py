@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import nullcontext
+from functools import lru_cache
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -34,6 +35,7 @@ from lightning_hetero.multimodal import WIRE_DTYPES, in_backward, micro_batch
 from lightning_hetero.module import run_layers
 
 __all__ = [
+    "available_schedules",
     "partition_layers",
     "resolve_schedule",
     "schedule_name",
@@ -41,10 +43,13 @@ __all__ = [
     "schedule_class",
     "stages_of",
     "holders",
+    "schedule_actions",
     "StageModule",
     "Pipeline",
 ]
 
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""torch's schedules that run several stages per process, by name."""
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 """Multi-stage schedules that hold two stages per process in a V: process ``r`` stages ``r`` and ``2p - 1 - r``."""
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -125,7 +130,7 @@ def schedule_class(schedule: ScheduleArg) -> type:
             ) from None
         raise ValueError(
             f"Schedule {schedule!r} is not one of torch's pipeline schedules (single-stage: 'GPipe', '1F1B'; several stages"
-            " per process: 'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV')."
+            f" per process: {_names(MULTI_STAGE)})."
         ) from None
 
 
@@ -140,7 +145,7 @@ def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int,
     if not multi and per_process != 1:
         raise ValueError(
             f"Schedule {name} runs one stage per process; `stages_per_process={per_process}` needs a multi-stage"
-            " schedule ('Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', 'DualPipeV')."
+            f" schedule ({_names(MULTI_STAGE)})."
         )
     if multi and per_process < 2:
         raise ValueError(f"Schedule {name} runs several stages per process: `stages_per_process` must be 2 or more.")
@@ -152,6 +157,22 @@ def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int,
             f" x {per_process} stage(s): {needs(cls, num_stages, per_process)}."
         )
     return cls
+
+
+def available_schedules(names: Sequence[str] = MULTI_STAGE) -> list[str]:
+    """The schedules of ``names`` this torch has (each came with a release of its own: ``INTRODUCED``)."""
+    found = []
+    for name in names:
+        try:
+            get_schedule_class(name)
+        except ValueError:
+            continue
+        found.append(name)
+    return found
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def min_micro_batches(schedule: type, num_stages: int, per_process: int = 1) -> int:
@@ -211,6 +232,71 @@ def holders(num_processes: int, per_process: int, v_shaped: bool) -> list[int]:
         for stage in stages_of(process, num_processes, per_process, v_shaped):
             owner[stage] = process
     return owner
+
+
+Action = tuple[str, int, int]
+"""One step of a schedule on one stage process: its kind (``"F"`` forward, ``"B"`` whole backward,
+``"I"`` the input's gradient, ``"W"`` the weights'), the stage, the micro-batch."""
+
+
+def schedule_actions(schedule: ScheduleArg, num_processes: int, per_process: int, micro_batches: int) -> list[list[Action]]:
+    """Each stage process's computations in the order ``schedule`` runs them. A multi-stage
+    schedule's are torch's own (its ``pipeline_order``, read without processes: DualPipeV's
+    overlapped forward and backward as the two, one after the other); GPipe runs every forward,
+    then every backward; 1F1B warms up with ``num_processes - 1 - process`` forwards, then
+    alternates."""
+    cls = schedule_class(schedule)
+    return [list(order) for order in _actions(cls, num_processes, per_process, micro_batches)]
+
+
+@lru_cache(maxsize=512)
+def _actions(cls: type, num_processes: int, per_process: int, micro_batches: int) -> tuple[tuple[Action, ...], ...]:
+    if not is_multi_stage(cls):
+        one_f_one_b = issubclass(cls, Schedule1F1B)
+        return tuple(_single_stage(one_f_one_b, r, num_processes, micro_batches) for r in range(num_processes))
+    v_shaped = schedule_name(cls) in V_SHAPED
+    count = num_processes * per_process
+    stages = [_OrderOnly(s, count, num_processes, 0) for s in stages_of(0, num_processes, per_process, v_shaped)]
+    order = cls(stages, micro_batches, loss_fn=_no_loss).pipeline_order
+    return tuple(tuple(_computations(order.get(r, []))) for r in range(num_processes))
+
+
+def _single_stage(one_f_one_b: bool, process: int, num_processes: int, micro_batches: int) -> tuple[Action, ...]:
+    if not one_f_one_b:
+        return tuple([("F", process, k) for k in range(micro_batches)] + [("B", process, k) for k in range(micro_batches)])
+    warmup = min(micro_batches, num_processes - process - 1)
+    order = [("F", process, k) for k in range(warmup)]
+    for k in range(micro_batches - warmup):
+        order += [("F", process, warmup + k), ("B", process, k)]
+    return tuple(order + [("B", process, k) for k in range(micro_batches - warmup, micro_batches)])
+
+
+def _computations(actions: Sequence[Any]) -> list[Action]:
+    found: list[Action] = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.sub_actions:
+            found += _computations(action.sub_actions)
+        elif action.computation_type.value in ("F", "B", "I", "W"):
+            found.append((action.computation_type.value, action.stage_index, action.microbatch_index))
+    return found
+
+
+def _no_loss(output: Any, target: Any) -> Tensor:
+    raise AssertionError("a schedule built to read its order runs nothing")
+
+
+class _OrderOnly(PipelineStage):
+    """What a schedule reads of its stages to lay out its order, and nothing else: no module, no
+    process group (``schedule_actions``)."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = group_size, group_rank
+        self.has_backward, self.group, self.submod = True, None, None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.dw_builder, self.chunks = None, None
 
 
 class StageModule(nn.Module):

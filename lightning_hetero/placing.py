@@ -22,7 +22,7 @@ from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy
 from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import EncoderExchange, encoder_stages, modality_encoders, offers_modalities
-from lightning_hetero.pipeline import V_SHAPED, holders, resolve_schedule, schedule_name
+from lightning_hetero.pipeline import resolve_schedule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import ReportExchange, relog
@@ -59,7 +59,7 @@ def place_rank(
     schedule = resolve_schedule(plan.schedule, topology.num_stages, plan.micro_batches, plan.stages_per_process)
     if len(bounds) > topology.num_stages:
         # Several stages per process: each stage is summed over its process's sync group.
-        owner = holders(topology.num_stages, plan.stages_per_process, schedule_name(schedule) in V_SHAPED)
+        owner = plan.stage_holders()
         sync, ranks = [groups.sync[o] for o in owner], [topology.stage_ranks(node_rank)[o] for o in owner]
         placement = Placement(layers, bounds, sync, ranks, tied_sums, holders=owner)
     else:

@@ -29,8 +29,8 @@ from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
 from lightning_hetero.offload import check_offload
-from lightning_hetero.pipeline import schedule_class, is_multi_stage, partition_layers, resolve_schedule
-from lightning_hetero.pipeline import schedule_name
+from lightning_hetero.pipeline import V_SHAPED, holders, is_multi_stage, partition_layers, resolve_schedule
+from lightning_hetero.pipeline import schedule_class, schedule_name
 from lightning_hetero.sync import make_buckets
 from lightning_hetero.topology import parse_device, resolve_stage_devices
 
@@ -179,6 +179,11 @@ class HeteroPlan:
             return self
         return replace(self, parallelism="pipeline" if offers_blocks(model) else "replicas")
 
+    def stage_holders(self) -> list[int]:
+        """The stage process that holds each of the pipeline's stages: stage ``s`` is process ``s`` with
+        one stage per process, placed as the schedule places them with several (``pipeline.holders``)."""
+        return holders(len(self.stages), self.stages_per_process, schedule_name(schedule_class(self.schedule)) in V_SHAPED)
+
     def runs_on(self, other: HeteroPlan) -> bool:
         """Whether this plan lays out the processes of ``other``'s run: the same stages, CPU workers and mode."""
         def processes(plan: HeteroPlan) -> tuple:
@@ -296,6 +301,8 @@ class HeteroPlan:
                 " and `shard_cpu_optimizer=False` asks for whole copies: drop one of them."
             )
         _check_int("micro_batches", micro_batches, minimum=1)
+        if schedule == "auto":  # the workload analyzer's to choose; without it, GPipe (or a loop of stages)
+            schedule = "GPipe" if stages_per_process in ("auto", 1) else "Interleaved1F1B"
         name = schedule_name(schedule)
         if stages_per_process == "auto":
             stages_per_process = 2 if is_multi_stage(schedule_class(name)) else 1

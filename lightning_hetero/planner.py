@@ -6,9 +6,18 @@ The cost model (all times from the profile, scaled by each device's relative spe
 - a stage's time per micro-batch of ``u`` samples is its layers' forward and backward at ``u``
   (the last stage's with the loss's), plus sending its output (and receiving the gradient back)
   over the pipeline link;
-- the pipeline's share, cut into ``m`` micro-batches on ``p`` stages, takes ``(m + p - 1)`` times
-  the slowest stage's micro-batch (the fill-drain bound; ``(p - 1) / (m + p - 1)`` is the bubble),
-  and then the last stage replays the step method on its outputs (the loss's forward once more);
+- the pipeline's share, cut into ``m`` micro-batches, is played out in the schedule's own order on
+  each stage process (``pipeline.schedule_actions``: GPipe, 1F1B, or torch's order of a schedule
+  with several stages per process, such as interleaved 1F1B, zero-bubble and DualPipeV, whose
+  backward may come in two passes, the input's gradient and the weights', half each): each
+  forward after the stage before's and the send between them, each backward after the stage
+  after's; a process on the CPU sends with its own thread (gloo), so there a send is its work, on
+  a GPU only a delay; every action also costs the stage process the pipelining runtime's own
+  time, as measured (``DeviceTimes.action_s``). The time the stage processes wait is the bubble (``(p - 1) / (m + p - 1)``
+  for ``p`` equal stages one per process; ``(p - 1) / (V m + p - 1)`` with ``V`` per process in a
+  loop). Then the last stage replays the step method on its outputs (the loss's forward once
+  more). A process's memory is its stages' parameters, gradients and state with the most
+  activations its stages hold at once in that order;
 - each CPU worker computes its part of the CPU's share with the whole model and the loss;
 - emulated stages compute with the threads the strategy gives them in the layout (all the cores
   the CPU workers leave when those have no share), as much faster as measured with those threads;
@@ -26,8 +35,10 @@ The cost model (all times from the profile, scaled by each device's relative spe
 - every step also pays the profile's fixed overhead (the training loop's own work and sharing the
   results), the same for every layout.
 
-Solvers: the partition is a dynamic program over contiguous cuts minimizing the slowest stage
-within each stage's memory; the micro-batch count and the pipeline's share are searched
+Solvers: the partition is a dynamic program over contiguous cuts (into ``p`` or, with several
+stages per process, ``V p`` stages) minimizing the slowest stage within each stage's memory (a
+process's divided between its stages); the schedule (``schedule="auto"``: every one this torch has,
+``schedule_candidates``), stages per process, micro-batch count and the pipeline's share are searched
 exhaustively; the offload set is the largest set of buckets a CPU thread can step, in bucket
 order, before the backward ends (an exact search over the Pareto front of finish time and bytes),
 with more buckets offloaded where the device's memory needs it.
@@ -44,7 +55,20 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 
-from lightning_hetero.pipeline import is_multi_stage, schedule_class
+from lightning_hetero.pipeline import (
+    V_SHAPED,
+    Action,
+    available_schedules,
+    fallback,
+    holders,
+    is_multi_stage,
+    min_micro_batches,
+    resolve_schedule,
+    schedule_actions,
+    schedule_class,
+    schedule_name,
+    takes,
+)
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.profiling import DeviceTimes, LinkProfile, Profile
 from lightning_hetero.shares import largest_divisor_at_most, split_batch
@@ -58,9 +82,10 @@ __all__ = [
     "Machine",
     "Prediction",
     "StageCosts",
+    "ScheduleChoice",
     "partition",
-    "pipeline_time",
     "pipeline_tasks",
+    "schedule_candidates",
     "Task",
     "share_cores",
     "finish_times",
@@ -111,6 +136,9 @@ class Machine:
     """Stage -> stage: activations and their gradients."""
     d2h: LinkProfile = field(default_factory=lambda: _FREE_LINK)
     """Device <-> pinned host memory (offloaded buckets)."""
+    action_s: Optional[float] = None
+    """What each action of a pipeline schedule costs a stage process beyond its layers (None: as
+    profiled, ``DeviceTimes.action_s``)."""
 
     def __post_init__(self) -> None:
         self.stage_speed = self.stage_speed or [1.0] * len(self.stages)
@@ -157,9 +185,37 @@ class Prediction:
     optimizer step ends, the steps sharing the cores; ``optimizer_s`` is the last of them. Stages
     that share a role (a hypothetical machine's GPUs) give the last one's."""
 
+    considered: list[ScheduleChoice] = field(default_factory=list, compare=False)
+    """The fastest layout the planner found with each schedule it weighed (``plan_run``), fastest first."""
+
     def memory_fits(self, memory: Sequence[Optional[float]]) -> bool:
         """Whether every device's bytes fit its memory (``None``: unlimited)."""
         return all(m is None or need <= m for need, m in zip(self.memory, memory))
+
+
+@dataclass
+class ScheduleChoice:
+    """A schedule the planner weighed, at the fastest layout it found with it."""
+
+    schedule: str
+    stages_per_process: int
+    micro_batches: int
+    cpu_fraction: float
+    step_s: float
+    bubble: float
+    memory: list[float]
+    """Bytes per stage process."""
+
+    def row(self) -> str:
+        return (
+            f"{self.schedule:<22} {self.stages_per_process:>9} {self.micro_batches:>13} {self.cpu_fraction:>12.3f}"
+            f" {self.step_s * 1e3:>10.2f} {self.bubble:>7.0%} {max(self.memory, default=0.0) / 2**20:>12.1f}"
+        )
+
+    HEADER = (
+        f"{'schedule':<22} {'per proc.':>9} {'micro-batches':>13} {'CPU fraction':>12} {'step ms':>10} {'bubble':>7}"
+        f" {'peak MiB':>12}"
+    )
 
 
 @dataclass
@@ -181,9 +237,66 @@ def _stage_memory(profile: Profile, layers: range, in_flight_samples: float, off
     return 2 * params + state + activations
 
 
-def _in_flight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once: all with GPipe, fewer with 1F1B."""
-    return min(micro_batches, stages - stage) if schedule.lower() == "1f1b" else micro_batches
+INPUT_GRADIENT_SHARE = 0.5
+"""Of a backward split in two (the zero-bubble schedules' ``I`` and ``W``), the input gradient's part:
+a linear layer's backward is two products of one size, one for its input and one for its weights."""
+
+
+def _v_shaped(schedule: str) -> bool:
+    return schedule_name(schedule_class(schedule)) in V_SHAPED
+
+
+def _holders(processes: int, stages: int, schedule: str) -> list[int]:
+    """The stage process that holds each of ``stages`` stages (``pipeline.holders``)."""
+    if stages % processes:
+        raise ValueError(f"{stages} stages do not divide between {processes} stage processes.")
+    return holders(processes, stages // processes, _v_shaped(schedule))
+
+
+def _by_stage(machine: Machine, owner: Sequence[int]) -> Machine:
+    """The machine with one entry per stage, each its holder's (role, device, speed, threads), and a
+    holder's memory divided evenly between its stages; ``machine`` itself with one stage per process."""
+    if list(owner) == list(range(len(machine.stages))):
+        return machine
+    per = len(owner) // len(machine.stages)
+    return replace(
+        machine,
+        stages=[machine.stages[o] for o in owner],
+        stage_names=[machine.stage_names[o] for o in owner],
+        stage_speed=[machine.stage_speed[o] for o in owner],
+        memory=[None if machine.memory[o] is None else machine.memory[o] / per for o in owner],
+        stage_threads=[machine.stage_threads[o] for o in owner] if machine.stage_threads else [],
+    )
+
+
+def _held(actions: Sequence[Sequence[Action]], stages: int) -> list[int]:
+    """The most micro-batches whose activations each stage holds at once in the schedule's order: from
+    its forward until its backward (a split backward's weight pass, which needs them)."""
+    peak, now = [0] * stages, [0] * stages
+    for order in actions:
+        for kind, stage, _ in order:
+            if kind == "F":
+                now[stage] += 1
+                peak[stage] = max(peak[stage], now[stage])
+            elif kind in ("B", "W"):
+                now[stage] -= 1
+    return peak
+
+
+def _activation_peaks(actions: Sequence[Sequence[Action]], per_micro_batch: Sequence[float]) -> list[float]:
+    """Per stage process, the most activation bytes its stages hold at once in the schedule's order
+    (``per_micro_batch``: each stage's, for one micro-batch)."""
+    peaks = []
+    for order in actions:
+        now = peak = 0.0
+        for kind, stage, _ in order:
+            if kind == "F":
+                now += per_micro_batch[stage]
+                peak = max(peak, now)
+            elif kind in ("B", "W"):
+                now -= per_micro_batch[stage]
+        peaks.append(peak)
+    return peaks
 
 
 def partition(
@@ -193,10 +306,17 @@ def partition(
     micro_batches: int,
     schedule: str = "GPipe",
     offloadable: bool = False,
+    stages_per_process: int = 1,
 ) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` cuts, one per stage, minimizing the slowest stage's time per
-    micro-batch within each stage's memory; with ``offloadable`` (fine mode), a GPU stage's
-    optimizer state need not fit, as it may move to the CPU. Raises ``ValueError`` when no cut fits."""
+    """Contiguous ``[start, stop)`` cuts, one per stage (``stages_per_process`` per stage process, placed
+    as the schedule places them), minimizing the slowest stage's time per micro-batch within each
+    stage's memory (a process's divided evenly between its stages; the activations it holds as the
+    schedule's order keeps them); with ``offloadable`` (fine mode), a GPU stage's optimizer state
+    need not fit, as it may move to the CPU. Raises ``ValueError`` when no cut fits."""
+    owner = _holders(len(machine.stages), len(machine.stages) * stages_per_process, schedule)
+    held = _held(schedule_actions(schedule, len(machine.stages), stages_per_process, micro_batches), len(owner))
+    machine = _by_stage(machine, owner)
+
     def need(stage: int, span: range, samples: float) -> float:
         offload = offloadable and machine.stage_names[stage].startswith("cuda")
         movable = sum(profile.layers[i].params for i in span) if offload else 0
@@ -221,7 +341,8 @@ def partition(
     best[0][0] = 0.0
     for k in range(1, stages + 1):
         cost, memory = costs[k - 1], machine.memory[k - 1]
-        in_flight = _in_flight(schedule, k - 1, stages, micro_batches) * micro_batch
+        in_flight = held[k - 1] * micro_batch
+        local = k < stages and owner[k - 1] == owner[k]  # the next stage is on the same process: no send
         for i in range(k, layers - (stages - k) + 1):
             for j in range(k - 1, i):
                 if best[k - 1][j] == inf:
@@ -229,7 +350,8 @@ def partition(
                 span = range(j, i)
                 if memory is not None and need(k - 1, span, in_flight) > memory:
                     continue
-                value = max(best[k - 1][j], cost.micro_batch(span, micro_batch) + _send(profile, machine, i, micro_batch))
+                send = 0.0 if local else _send(profile, machine, i, micro_batch)
+                value = max(best[k - 1][j], cost.micro_batch(span, micro_batch) + send)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     if best[stages][layers] == inf:
@@ -249,21 +371,6 @@ def _send(profile: Profile, machine: Machine, stop: int, micro_batch: float) -> 
     if stop >= len(profile.layers):
         return 0.0
     return 2 * machine.pipeline.time(profile.layers[stop - 1].output_bytes * micro_batch)
-
-
-def pipeline_time(
-    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], samples: int, micro_batches: int
-) -> tuple[float, float]:
-    """(seconds, slowest stage's micro-batch seconds) for the pipeline's ``samples`` in ``micro_batches``:
-    the schedule, then the last stage's replay of the step method (the loss once more, forward only)."""
-    if samples == 0:
-        return 0.0, 0.0
-    u = samples / micro_batches
-    slowest = max(
-        StageCosts(profile.devices[role], speed).micro_batch(range(*b), u) + _send(profile, machine, b[1], u)
-        for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
-    )
-    return (micro_batches + len(bounds) - 1) * slowest + _replay_time(profile, machine, samples), slowest
 
 
 def _replay_time(profile: Profile, machine: Machine, samples: int) -> float:
@@ -372,49 +479,67 @@ def finish_times(processes: Sequence[Sequence[Task]], threads: Sequence[int], co
     return [d[-1] if d else 0.0 for d in done]
 
 
-def _schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """A stage's forwards (``"F"``) and backwards (``"B"``) by micro-batch, in the schedule's order:
-    GPipe's all forwards then all backwards, or 1F1B's warm-up forwards, then one of each."""
-    if schedule.lower() != "1f1b":
-        return [("F", k) for k in range(micro_batches)] + [("B", k) for k in range(micro_batches)]
-    warmup = min(micro_batches, stages - stage - 1)
-    order = [("F", k) for k in range(warmup)]
-    for k in range(micro_batches - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    return order + [("B", k) for k in range(micro_batches - warmup, micro_batches)]
-
-
 def pipeline_tasks(
     profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], samples: int, micro_batches: int, schedule: str
 ) -> list[list[Task]]:
-    """Each stage's work for the pipeline's ``samples`` as tasks (``share_cores``): its forwards and
-    backwards in the schedule's order, each after the neighbouring stage's for the same
-    micro-batch and the send between them, and the last stage's replay at the end."""
+    """Each stage process's work for the pipeline's ``samples`` as tasks (``share_cores``): its stages'
+    forwards and backwards (a zero-bubble schedule's input and weight passes apart,
+    ``INPUT_GRADIENT_SHARE``) in the schedule's order (``pipeline.schedule_actions``; with more
+    ``bounds`` than stage processes, each holds several stages where the schedule places them), each
+    after the neighbouring stage's for the same micro-batch and the send between them (none between
+    two stages of one process), and the replay on the last stage's process at the end."""
+    processes = len(machine.stages)
     if not samples:
-        return [[] for _ in bounds]
-    u, stages = samples / micro_batches, len(bounds)
-    orders = [_schedule_order(schedule, s, stages, micro_batches) for s in range(stages)]
-    position = [{op: n for n, op in enumerate(order)} for order in orders]
-    sends = [machine.pipeline.time(profile.layers[stop - 1].output_bytes * u) for _, stop in bounds]
-    processes = []
-    for s, (role, speed, (start, stop)) in enumerate(zip(machine.stages, machine.stage_speed, bounds)):
-        times, last = profile.devices[role], s == stages - 1
-        loss_forward = times.loss_forward_time(u) if last else 0.0
-        loss_backward = times.loss_step_time(u) - loss_forward if last else 0.0
-        seconds = {
-            "F": (times.forward_time(range(start, stop), u) + loss_forward) / speed,
-            "B": (times.backward_time(range(start, stop), u) + loss_backward) / speed,
-        }
-        tasks = []
-        for kind, k in orders[s]:
+        return [[] for _ in range(processes)]
+    owner = _holders(processes, len(bounds), schedule)
+    staged = _by_stage(machine, owner)
+    actions = schedule_actions(schedule, processes, len(bounds) // processes, micro_batches)
+    u, last = samples / micro_batches, len(bounds) - 1
+    at = {(kind, s, k): (proc, n) for proc, order in enumerate(actions) for n, (kind, s, k) in enumerate(order)}
+    sends = [
+        machine.pipeline.time(profile.layers[stop - 1].output_bytes * u) if s < last and owner[s] != owner[s + 1] else 0.0
+        for s, (_, stop) in enumerate(bounds)
+    ]
+    costs = [_stage_costs(profile, staged, s, bounds[s], u, s == last) for s in range(len(bounds))]
+    # A process on the CPU sends with its own thread (gloo): the send is its work, not a delay.
+    sending = [_on_cpu(name) for name in staged.stage_names]
+    tasks: list[list[Task]] = []
+    for order in actions:
+        mine = []
+        for kind, s, k in order:
             if kind == "F":
-                after = [(s - 1, position[s - 1][("F", k)], sends[s - 1])] if s else []
+                send = sends[s] if s < last else 0.0
+                after = [(*at["F", s - 1, k], 0.0 if sending[s - 1] else sends[s - 1])] if s else []
+            elif kind == "W":  # after its own input pass, earlier on this process
+                send, after = 0.0, []
             else:
-                after = [(s + 1, position[s + 1][("B", k)], sends[s])] if not last else []
-            tasks.append(Task(seconds[kind], after))
-        processes.append(tasks)
-    processes[-1].append(Task(_replay_time(profile, machine, samples)))
-    return processes
+                send = sends[s - 1] if s else 0.0
+                if s < last:
+                    after = [(*at[("B", s + 1, k) if ("B", s + 1, k) in at else ("I", s + 1, k)], 0.0 if sending[s + 1] else sends[s])]
+                else:
+                    after = [(*at["F", s, k], 0.0)]
+            mine.append(Task(costs[s][kind] + (send if sending[s] else 0.0), after))
+        tasks.append(mine)
+    tasks[owner[last]].append(Task(_replay_time(profile, staged, samples)))
+    return tasks
+
+
+def _stage_costs(
+    profile: Profile, staged: Machine, stage: int, bounds: tuple[int, int], u: float, last: bool
+) -> dict[str, float]:
+    """A stage's seconds per micro-batch of ``u`` samples, by action kind (``schedule_actions``)."""
+    times, speed, span = profile.devices[staged.stages[stage]], staged.stage_speed[stage], range(*bounds)
+    loss_forward = times.loss_forward_time(u) if last else 0.0
+    loss_backward = times.loss_step_time(u) - loss_forward if last else 0.0
+    backward = (times.backward_time(span, u) + loss_backward) / speed
+    runtime = times.action_s if staged.action_s is None else staged.action_s
+    runtime = runtime if len(staged.stages) > 1 else 0.0  # a pipeline of one stage runs no schedule
+    return {
+        "F": (times.forward_time(span, u) + loss_forward) / speed + runtime,
+        "B": backward + runtime,
+        "I": INPUT_GRADIENT_SHARE * backward + runtime,
+        "W": (1 - INPUT_GRADIENT_SHARE) * backward + runtime,
+    }
 
 
 def choose_offload(
@@ -438,6 +563,34 @@ def choose_offload(
     return list(max(front, key=lambda state: state[1])[2])
 
 
+def schedule_candidates(
+    schedule: str, stages_per_process: Any, processes: int, layers: int, multi_stage: bool = True
+) -> list[tuple[str, int]]:
+    """The schedules (and stages per process) the planner weighs: ``schedule="auto"``, GPipe and 1F1B
+    and, with two or more stage processes and ``multi_stage``, every multi-stage schedule this torch
+    has (``stages_per_process="auto"``: 2, 3 and 4 in a loop, 2 in a V; a number: those that take it);
+    a schedule by name, that one. None cuts the ``layers`` into more stages than it has."""
+    if schedule != "auto":
+        names = [schedule_name(schedule)]
+    else:
+        names = ["GPipe", "1F1B"] if processes > 1 else ["GPipe"]
+        if multi_stage and processes > 1:
+            names += available_schedules()
+    found = []
+    for name in names:
+        cls = schedule_class(name)
+        if not is_multi_stage(cls):
+            counts = [1]
+        elif name in V_SHAPED:
+            counts = [2]
+        else:
+            counts = [2, 3, 4]
+        if stages_per_process != "auto":
+            counts = [c for c in counts if c == stages_per_process] or ([] if schedule == "auto" else [stages_per_process])
+        found += [(name, c) for c in counts if processes * c <= layers]
+    return found
+
+
 def plan_run(
     profile: Profile,
     machine: Machine,
@@ -446,16 +599,51 @@ def plan_run(
     schedule: str = "GPipe",
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
+    stages_per_process: Any = "auto",
+    multi_stage: bool = True,
 ) -> tuple[HeteroPlan, Prediction]:
-    """The fastest layout the cost model finds for ``batch_size`` samples per step."""
-    best: Optional[tuple[float, list[tuple[int, int]], int, int, Prediction]] = None
+    """The fastest layout the cost model finds for ``batch_size`` samples per step, with the schedule
+    named, or (``schedule="auto"``) with the fastest of those ``schedule_candidates`` weighs: the cut,
+    the micro-batches, the CPU's share, and in fine mode the offload set. The prediction lists the
+    fastest layout of every schedule weighed (``Prediction.considered``)."""
+    candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers), multi_stage)
+    found = []
+    for name, per in candidates:
+        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches)
+        if layout is not None:
+            found.append((name, per, *layout))
+    if not found:
+        raise ValueError("No layout fits: every cut of the layers exceeds some stage's memory.")
+    found.sort(key=lambda f: f[-1].step_s)  # stable: the simpler schedule where two tie
+    name, per, bounds, pipeline_samples, m, prediction = found[0]
+    prediction.considered = [
+        ScheduleChoice(n, k, mb, 1 - samples / batch_size, p.step_s, p.bubble, p.memory) for n, k, _, samples, mb, p in found
+    ]
+    offload: list[int] = []
+    if mode == "fine":
+        u = pipeline_samples / m if pipeline_samples else 0.0
+        offload = offload_plan(profile, machine, bounds, u, bucket_size_mb, name)
+    layout = dict(
+        boundaries=[start for start, _ in bounds[1:]], micro_batches=m, schedule=name, stages_per_process=per, offload=offload
+    )
+    return _plan_of(machine, "pipeline", mode, bucket_size_mb, 1 - pipeline_samples / batch_size, prediction, **layout), prediction
+
+
+def _fastest(
+    profile: Profile, machine: Machine, batch_size: int, mode: str, schedule: str, per_process: int, max_micro_batches: int
+) -> Optional[tuple[list[tuple[int, int]], int, int, Prediction]]:
+    """With one schedule: (cut, the pipeline's samples, micro-batches, prediction) of the fastest
+    layout whose stages fit their memory (``partition``: each stage its process's memory's even part,
+    so that the process's stages fit together), or None."""
+    best: Optional[tuple[list[tuple[int, int]], int, int, Prediction]] = None
+    processes, cls = len(machine.stages), schedule_class(schedule)
     # A pipeline of one stage runs its share in one pass (`workers.SoleStage`): no micro-batches.
-    most = 1 if len(machine.stages) == 1 else min(max_micro_batches, batch_size)
+    most = 1 if processes * per_process == 1 else min(max_micro_batches, batch_size)
     for m in range(1, most + 1):
-        if schedule.lower() == "1f1b" and m < len(machine.stages):
+        if not takes(cls, processes, per_process, m):
             continue
         try:
-            bounds = partition(profile, machine, batch_size / m, m, schedule, offloadable=mode == "fine")
+            bounds = partition(profile, machine, batch_size / m, m, schedule, mode == "fine", per_process)
         except ValueError:
             continue
         # The pipeline's share is a whole number of micro-batches; or the whole batch (an idle CPU).
@@ -463,16 +651,9 @@ def plan_run(
         for pipeline_samples in sorted({*shares, batch_size}):
             steps = m if pipeline_samples % m == 0 else largest_divisor_at_most(pipeline_samples, m)
             prediction = predict(profile, machine, bounds, batch_size, pipeline_samples, steps, mode, schedule)
-            if best is None or prediction.step_s < best[0] - 1e-12:
-                best = (prediction.step_s, bounds, pipeline_samples, m, prediction)
-    if best is None:
-        raise ValueError("No layout fits: every cut of the layers exceeds some stage's memory.")
-    _, bounds, pipeline_samples, m, prediction = best
-    offload: list[int] = []
-    if mode == "fine":
-        offload = offload_plan(profile, machine, bounds, pipeline_samples / m if pipeline_samples else 0.0, bucket_size_mb)
-    layout = dict(boundaries=[start for start, _ in bounds[1:]], micro_batches=m, schedule=schedule, offload=offload)
-    return _plan_of(machine, "pipeline", mode, bucket_size_mb, 1 - pipeline_samples / batch_size, prediction, **layout), prediction
+            if best is None or prediction.step_s < best[3].step_s - 1e-12:
+                best = (bounds, pipeline_samples, m, prediction)
+    return best
 
 
 def _plan_of(
@@ -524,13 +705,16 @@ def compare_layouts(
     schedule: str = "GPipe",
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
+    stages_per_process: Any = "auto",
+    multi_stage: bool = True,
 ) -> dict[str, tuple[HeteroPlan, Prediction]]:
     """The best plan of each parallelism that fits, by name (``"pipeline"``: ``plan_run``;
     ``"replicas"``: ``plan_replicas``), fastest first. Raises ``ValueError`` where neither fits."""
     found: dict[str, tuple[HeteroPlan, Prediction]] = {}
     errors = []
+    pipeline = (schedule, max_micro_batches, bucket_size_mb, stages_per_process, multi_stage)
     for name, planner in (
-        ("pipeline", lambda: plan_run(profile, machine, batch_size, mode, schedule, max_micro_batches, bucket_size_mb)),
+        ("pipeline", lambda: plan_run(profile, machine, batch_size, mode, *pipeline)),
         ("replicas", lambda: plan_replicas(profile, machine, batch_size, mode, bucket_size_mb)),
     ):
         try:
@@ -616,7 +800,12 @@ def predict_replicas(
 
 
 def offload_plan(
-    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], micro_batch: float, bucket_size_mb: float
+    profile: Profile,
+    machine: Machine,
+    bounds: Sequence[tuple[int, int]],
+    micro_batch: float,
+    bucket_size_mb: float,
+    schedule: str = "GPipe",
 ) -> list[int]:
     """Fine mode's offload set: on each GPU stage, the buckets a CPU thread can step (with their
     copies over the host link) before that stage's last backward ends (``choose_offload``), and
@@ -627,6 +816,7 @@ def offload_plan(
     buckets = make_buckets([layer.params for layer in profile.layers], bounds, int(bucket_size_mb * 2**20))
     cpu = profile.devices.get("cpu")
     chosen: list[int] = []
+    machine = _by_stage(machine, _holders(len(machine.stages), len(bounds), schedule))
     for s, (role, speed, memory, name) in enumerate(zip(machine.stages, machine.stage_speed, machine.memory, machine.stage_names)):
         if not name.startswith("cuda") or cpu is None:
             continue
@@ -639,8 +829,7 @@ def offload_plan(
         cost = [n * cpu.offloaded_s_per_param + 2 * machine.d2h.time(b) for n, b in zip(params, nbytes)]
         picked = choose_offload(ready, cost, nbytes, backward_end=sum(backward))
         if memory is not None:
-            in_flight = _in_flight("gpipe", s, len(bounds), 1) * micro_batch
-            need = lambda ks: _stage_memory(profile, range(*bounds[s]), in_flight, sum(params[k] for k in ks))  # noqa: E731
+            need = lambda ks: _stage_memory(profile, range(*bounds[s]), micro_batch, sum(params[k] for k in ks))  # noqa: E731
             for k in sorted(set(range(len(own))) - set(picked), key=lambda k: -params[k]):
                 if need(picked) <= memory:
                     break
@@ -657,7 +846,9 @@ def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_siz
         devices = split_batch(batch_size, plan.cpu_fraction, plan.cpu_workers, 1).pipeline_size
         return predict_replicas(profile, machine, batch_size, devices, plan.mode)
     names = [layer.name for layer in profile.layers]
-    bounds = plan.cut(names) or partition(profile, machine, batch_size / plan.micro_batches, plan.micro_batches, plan.schedule)
+    bounds = plan.cut(names) or partition(
+        profile, machine, batch_size / plan.micro_batches, plan.micro_batches, plan.schedule, False, plan.stages_per_process
+    )
     shares = split_batch(batch_size, plan.cpu_fraction, plan.cpu_workers, plan.micro_batches)
     steps = shares.micro_batches or plan.micro_batches
     return predict(profile, machine, bounds, batch_size, shares.pipeline_size, steps, plan.mode, plan.schedule)
@@ -673,34 +864,45 @@ def predict(
     mode: str = "coarse",
     schedule: str = "GPipe",
 ) -> Prediction:
-    """The cost model's step time for one layout (see the module doc)."""
+    """The cost model's step time for one layout (see the module doc): ``bounds`` cut the blocks into
+    stages, one per stage process or (a multi-stage schedule) several, placed as the schedule places
+    them. A pipeline's share that splits into fewer micro-batches than the schedule takes runs the
+    schedule it falls back to (``pipeline.fallback``), as a run does."""
+    processes = len(machine.stages)
+    per_process = len(bounds) // processes
+    if pipeline_samples:
+        schedule = schedule_name(fallback(schedule_class(schedule), processes, per_process, micro_batches))
+    owner = _holders(processes, len(bounds), schedule)
     cpu_samples = batch_size - pipeline_samples
     share = bool(cpu_samples and machine.cpu_workers)
     machine, threads, capacity = _layout(profile, machine, share)
-    pipe, _ = pipeline_time(profile, machine, bounds, pipeline_samples, micro_batches)
+    staged = _by_stage(machine, owner)
     cpu = _cpu_share_time(profile, machine, cpu_samples) if share else 0.0
-    stage_params = [sum(profile.layers[i].params for i in range(*b)) for b in bounds]
     stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
+    process_params = [0] * processes
+    for s, b in enumerate(bounds):
+        process_params[owner[s]] += sum(profile.layers[i].params for i in range(*b))
     # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
     sync = sum(machine.sync.time(n) for n in stage_bytes) if share else 0.0
     workers = machine.cpu_workers if share else 0
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
+    pipe = max(finish_times(tasks, threads, None), default=0.0)  # each process at its own speed
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
-    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, stage_params, sum(stage_params), workers, threads, capacity)
+    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, sum(process_params), workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
         window = min(
-            StageCosts(profile.devices[role], speed).times.backward_time(range(*b), pipeline_samples / micro_batches) / speed
-            for role, speed, b in zip(machine.stages, machine.stage_speed, bounds)
+            StageCosts(profile.devices[role], speed).times.backward_time(range(*b), u) / speed
+            for role, speed, b in zip(staged.stages, staged.stage_speed, bounds)
         )
         tail = max(0.0, tail - window)
-    memory = [
-        _stage_memory(profile, range(*b), _in_flight(schedule, s, len(bounds), micro_batches) * u)
-        for s, b in enumerate(bounds)
-    ]
-    bubble = (len(bounds) - 1) / (micro_batches + len(bounds) - 1) if pipeline_samples else 0.0
+    held = [0.0] * processes
+    if pipeline_samples:
+        activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * u for b in bounds]
+        held = _activation_peaks(schedule_actions(schedule, processes, per_process, micro_batches), activations)
+    memory = [held[r] + sum(_stage_memory(profile, range(*bounds[s]), 0.0) for s in range(len(bounds)) if owner[s] == r) for r in range(processes)]
     return Prediction(
         step_s=max(pipe, cpu, cores) + tail + profile.step_overhead_s,
         pipeline_s=pipe,
@@ -709,10 +911,19 @@ def predict(
         sync_s=sync,
         optimizer_s=optimizer,
         optimizer_by_role=optimizer_by_role,
-        bubble=bubble,
+        bubble=_bubble(tasks, owner[-1]) if pipeline_samples else 0.0,
         memory=memory,
         overhead_s=profile.step_overhead_s,
     )
+
+
+def _bubble(tasks: Sequence[Sequence[Task]], replaying: int) -> float:
+    """The share of the schedule's time (without the replay, on process ``replaying``) the stage
+    processes sit idle, each at its own speed."""
+    schedule = [list(t[:-1]) if r == replaying else list(t) for r, t in enumerate(tasks)]
+    span = max(finish_times(schedule, [0] * len(schedule), None), default=0.0)
+    busy = sum(task.seconds for process in schedule for task in process) / len(schedule)
+    return 1 - busy / span if span > 0 else 0.0
 
 
 def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, replay_s: float, samples: float) -> float:
@@ -723,8 +934,9 @@ def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, repla
     Where the replay shared the cores with other processes' work, that slowdown stays in: an
     estimate on the safe side."""
     layout, _, _ = _layout(profile, machine, cpu_share=plan.cpu_fraction > 0 and machine.cpu_workers > 0)
-    times, speed = profile.devices[layout.stages[-1]], layout.stage_speed[-1]
-    if len(layout.stages) == 1:
+    last = plan.stage_holders()[-1]
+    times, speed = profile.devices[layout.stages[last]], layout.stage_speed[last]
+    if len(layout.stages) == 1 and plan.stages_per_process == 1:
         model = times.layer_time(range(len(profile.layers)), samples)  # the loss's forward and backward with it
         return max(0.0, replay_s - model / speed) / samples
     return max(0.0, replay_s - times.loss_forward_time(samples) / speed) / samples
@@ -773,8 +985,9 @@ def explain(
     from it (``loading``)."""
     roles = list(profile.devices)
     names = [layer.name for layer in profile.layers]
-    bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) == 1 else [])
+    bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) * plan.stages_per_process == 1 else [])
     stage_of = {i: s for s, (start, stop) in enumerate(bounds) for i in range(start, stop)}
+    owner = plan.stage_holders()
     everywhere = "every device" if plan.parallelism == "replicas" else "-"
     u = profile.batch_size / plan.micro_batches
     header = f"{'layer':<24} {'params':>10} " + " ".join(f"{role + ' ms':>12}" for role in roles) + "  placed on"
@@ -787,11 +1000,11 @@ def explain(
 
     for i, layer in enumerate(profile.layers):
         times = " ".join(f"{block_time(role, i) * 1e3:12.3f}" for role in roles)
-        where = f"stage {stage_of[i]} ({plan.stages[stage_of[i]]})" if i in stage_of else everywhere
+        where = _placed(plan, owner, stage_of[i]) if i in stage_of else everywhere
         rows.append(f"{layer.name[:24]:<24} {layer.params:>10} {times}  {where}")
     if profile.layers:
         times = " ".join(f"{profile.devices[role].loss_step_time(u) * 1e3:12.3f}" for role in roles)
-        where = f"stage {stage_of[last]} ({plan.stages[stage_of[last]]})" if last in stage_of else everywhere
+        where = _placed(plan, owner, stage_of[last]) if last in stage_of else everywhere
         rows.append(f"{'(pipeline_loss)':<24} {0:>10} {times}  {where}")
     rows.append("")
     rows.append(
@@ -801,7 +1014,21 @@ def explain(
         f" fixed {prediction.overhead_s * 1e3:.2f});"
         f" bubble {prediction.bubble:.0%}; CPU fraction {plan.cpu_fraction:.3f}; {plan.micro_batches} micro-batches"
     )
-    rows.append("memory per stage: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    if plan.parallelism == "replicas":
+        rows.append("memory per device: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    else:
+        per_process = "" if plan.stages_per_process == 1 else f", {plan.stages_per_process} stages per process"
+        rows.append(f"schedule {plan.schedule}{per_process}")
+        rows.append("memory per stage process: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in prediction.memory))
+    if len(prediction.considered) > 1:
+        rows.append("")
+        rows.append(
+            "each schedule weighed at its fastest layout, as planned from the profile (the bubble: the share of the"
+            " schedule the stages wait):"
+        )
+        rows.append(ScheduleChoice.HEADER)
+        rows += [choice.row() for choice in prediction.considered]
+        rows.append("")
     if profile.numa_nodes:
         rows.append(cpu_workers_line(profile.numa_nodes, plan))
     if loading is not None:
@@ -832,6 +1059,12 @@ def explain(
             " memory per device: " + ", ".join(f"{m / 2**20:.1f} MiB" for m in predicted.memory)
         )
     return "\n".join(rows)
+
+
+def _placed(plan: HeteroPlan, owner: Sequence[int], stage: int) -> str:
+    if plan.stages_per_process == 1:
+        return f"stage {stage} ({plan.stages[stage]})"
+    return f"stage {stage} (process {owner[stage]}: {plan.stages[owner[stage]]})"
 
 
 def cpu_workers_line(nodes: Sequence[Sequence[int]], plan: HeteroPlan) -> str:
@@ -875,6 +1108,7 @@ def hypothetical_machine(
     host_gbps: Optional[float] = None,
     link_latency_s: Optional[float] = None,
     cpu_cores: Optional[int] = None,
+    action_s: Optional[float] = None,
 ) -> Machine:
     """A machine the profile was not taken on: ``gpus`` stages whose layers run ``gpu_speed`` times as
     fast as the profile's first stage, CPU workers ``cpu_speed`` times as fast as its CPU worker, and
@@ -882,9 +1116,16 @@ def hypothetical_machine(
 
     With ``cpu_cores`` (the machine's cores, all sockets), each stage process keeps one core and the
     CPU workers share the rest; a worker's speed is scaled by its threads over the profiled worker's
-    (linear in threads: an upper bound, as memory bandwidth does not grow with cores)."""
+    (linear in threads: an upper bound, as memory bandwidth does not grow with cores). ``action_s``:
+    what each action of a pipeline schedule costs a stage process beyond its layers (otherwise as
+    profiled, which on emulated stages is the cost of gloo on the CPU)."""
     if "stage0" not in profile.devices:
         raise ValueError("The profile has no stage timings ('stage0'); profile a run with at least one stage.")
+    if cpu_workers and "cpu" not in profile.devices:
+        raise ValueError(
+            "The profile has no CPU-worker timings ('cpu'): its run had no CPU worker. Plan without one"
+            " (--cpu-workers 0), or profile a run with a CPU worker."
+        )
     cpu_threads = None
     if cpu_cores is not None:
         if "cpu" not in profile.devices:
@@ -909,6 +1150,7 @@ def hypothetical_machine(
         sync=link("sync", sync_gbps),
         pipeline=link("pipeline", pipeline_gbps),
         d2h=link("d2h", host_gbps),
+        action_s=action_s,
     )
 
 
@@ -935,9 +1177,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--pipeline-gbps", type=float, default=None, help="GPU -> GPU bandwidth")
     parser.add_argument("--host-gbps", type=float, default=None, help="device <-> pinned host memory bandwidth")
     parser.add_argument("--link-latency-us", type=float, default=None, help="latency of every link (default: as profiled)")
+    parser.add_argument(
+        "--action-us",
+        type=float,
+        default=None,
+        help="what each pipeline schedule action (a stage's forward or backward of a micro-batch, its send's latency"
+        " included) costs a GPU's process beyond its layers (default: as profiled)",
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the profiled batch)")
     parser.add_argument("--mode", choices=["coarse", "fine"], default="coarse")
-    parser.add_argument("--schedule", default="GPipe", help="a single-stage schedule: GPipe or 1F1B")
+    parser.add_argument(
+        "--schedule",
+        default="auto",
+        help="a pipeline schedule torch knows (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,"
+        " DualPipeV), or auto: the fastest of them",
+    )
+    parser.add_argument(
+        "--stages-per-process",
+        default="auto",
+        help="stages each GPU holds with a multi-stage schedule (auto: the fastest of 2, 3, 4; 2 in a V)",
+    )
     parser.add_argument(
         "--parallelism",
         choices=["pipeline", "replicas", "auto"],
@@ -955,11 +1214,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _place_encoders(parser, args)
         return
     try:
-        if is_multi_stage(schedule_class(args.schedule)):
-            parser.error(
-                f"--schedule {args.schedule}: the planner plans single-stage schedules ('GPipe', '1F1B'); a run with several"
-                " stages per process keeps the layout it is given (docs/schedules.md)."
-            )
+        per_process = args.stages_per_process if args.stages_per_process == "auto" else _count(args.stages_per_process)
+        if args.schedule != "auto":
+            cls = schedule_class(args.schedule)  # a clear error for a name torch does not know
+            if per_process != "auto":
+                resolve_schedule(cls, args.gpus, min_micro_batches(cls, args.gpus, per_process), per_process)
         profile = Profile.load(args.profile)
         machine = hypothetical_machine(
             profile,
@@ -973,10 +1232,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.host_gbps,
             None if args.link_latency_us is None else args.link_latency_us * 1e-6,
             args.cpu_cores,
+            None if args.action_us is None else args.action_us * 1e-6,
         )
         batch_size = args.batch_size or profile.batch_size
         layouts = compare_layouts(
-            profile, machine, batch_size, args.mode, args.schedule, args.max_micro_batches, args.bucket_size_mb
+            profile, machine, batch_size, args.mode, args.schedule, args.max_micro_batches, args.bucket_size_mb, per_process
         )
         chosen = next(iter(layouts)) if args.parallelism == "auto" else args.parallelism
         if chosen not in layouts:
@@ -989,6 +1249,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(explain(profile, plan, prediction, alternative=next(iter(layouts.values()), None)))
     if args.save:
         print(f"\nplan written to {plan.save(args.save)}")
+
+
+def _count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--stages-per-process {text}: give a count (1 or more) or auto.")
+    return count
 
 
 def _names_encoders(path: str) -> bool:

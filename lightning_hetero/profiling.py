@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
@@ -48,6 +49,8 @@ __all__ = [
     "time_window",
     "kept_buffers",
     "all_reduce_over",
+    "send_along",
+    "time_pipeline_action",
     "gradient_sum_over",
     "optimizer_state_factor",
     "EncoderTimes",
@@ -89,6 +92,11 @@ class DeviceTimes:
     step_s_by_threads: dict[int, float] = field(default_factory=dict)
     """A CPU device's time for the whole model's training compute on the batch, by the
     threads it had (those it computes with in each layout): how its speed follows its threads."""
+    action_s: float = 0.0
+    """What one action of a pipeline schedule (a stage's forward or backward of one micro-batch)
+    costs a stage process beyond its layers: torch's pipelining runtime and the strategy's around
+    it, and its send's latency (``time_pipeline_action``; the profile's pipeline link then keeps only
+    the bandwidth its bytes take)."""
 
     def thread_speedup(self, threads: int) -> float:
         """How many times as fast with ``threads`` as profiled: as measured where both counts
@@ -468,7 +476,7 @@ def time_window(work: Callable[[], Any], seconds: float, start: Callable[[], Any
 
 
 def time_link(
-    transfer: Callable[[Tensor], None], device: torch.device, sizes: tuple[int, int] = (1 << 14, 1 << 22), repeats: int = 3
+    transfer: Callable[[Tensor], Any], device: torch.device, sizes: tuple[int, int] = (1 << 14, 1 << 22), repeats: int = 3
 ) -> LinkProfile:
     """Fit ``latency + bytes / bandwidth`` from timing ``transfer`` on two buffer sizes (float32)."""
     times = {}
@@ -482,6 +490,49 @@ def time_link(
 
 def all_reduce_over(group: dist.ProcessGroup) -> Callable[[Tensor], None]:
     return lambda buffer: dist.all_reduce(buffer, group=group)
+
+
+def time_pipeline_action(device: torch.device, group: dist.ProcessGroup, repeats: int = 3, micro_batches: int = 8) -> float:
+    """Seconds one action of a pipeline schedule (a stage's forward or backward of one micro-batch,
+    and its send) costs a stage process beyond its layers, on the path the schedule waits on: a
+    pipeline of one layer too small to take time per process of ``group`` (every one of them calls
+    this at once), trained over ``micro_batches`` in GPipe's order by the strategy's ``Pipeline``, takes
+    ``m + p - 1`` forwards and as many backwards one after another."""
+    from lightning_hetero.pipeline import Pipeline, StageModule
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4).to(device)
+    inputs, targets = torch.randn(2 * micro_batches, 4, device=device), torch.randn(2 * micro_batches, 4, device=device)
+
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        return (output - target).pow(2).mean()
+
+    pipeline = Pipeline(
+        modules=[StageModule([layer])], stage_indices=[rank], holders=list(range(size)), device=device, group=group,
+        schedule=get_schedule_class("GPipe"), loss_fn=loss_fn,
+    )  # fmt: skip
+    seconds = _median_time(lambda: pipeline.train_step(inputs, targets, micro_batches, 1.0), device, repeats + 2)
+    return seconds / (2 * (micro_batches + size - 1))
+
+
+def send_along(group: dist.ProcessGroup) -> Callable[[Tensor], Tensor]:
+    """A pipeline's send, as its stage processes make them: each sends one message to the next (the
+    last to the first) and receives one from the one before, all at once (what it received)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    inbox: dict[int, Tensor] = {}
+
+    def transfer(buffer: Tensor) -> Tensor:
+        received = inbox.setdefault(buffer.numel(), torch.empty_like(buffer))
+        ops = [
+            dist.P2POp(dist.isend, buffer, group=group, group_peer=(rank + 1) % size),
+            dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+    return transfer
 
 
 def gradient_sum_over(group: dist.ProcessGroup) -> Callable[[Tensor], None]:

@@ -292,16 +292,24 @@ def test_processes_on_the_cpu_share_its_cores(cores: int | None) -> None:
 
 @pytest.mark.parametrize("cpu_slowdown", [1.0, 50.0])
 def test_the_step_methods_own_work_is_paid_per_sample(cpu_slowdown: float) -> None:
-    """Measured on a last stage's replay, it is charged to the replay and to the CPU's share."""
+    """Measured on a last stage's replay, it is charged to the replay (the last stage's process ends
+    that much later) and to the CPU's share."""
     prof = profile([0.2, 0.3, 0.1, 0.4], cpu_slowdown=cpu_slowdown)
     mach = machine(2)
     plan, before = plan_run(prof, mach, 16)
     assert predict_plan(prof, mach, plan) == before  # the plan's layout, predicted again
+    pipeline = round((1 - plan.cpu_fraction) * 16)
+    bounds = plan.cut([layer.name for layer in prof.layers])
+
+    def ends() -> list[float]:
+        return finish_times(pipeline_tasks(prof, mach, bounds, pipeline, plan.micro_batches, plan.schedule), [0, 0], None)
+
+    ends_before = ends()
     prof.step_method_s_per_sample = step_method_rate(prof, mach, plan, replay_s=0.8, samples=8)
     assert prof.step_method_s_per_sample == pytest.approx(0.1)  # this loss is free
     after = predict_plan(prof, mach, plan)
-    pipeline = round((1 - plan.cpu_fraction) * 16)
-    assert after.pipeline_s == pytest.approx(before.pipeline_s + 0.1 * pipeline)
+    assert ends() == pytest.approx([ends_before[0], ends_before[1] + 0.1 * pipeline])
+    assert after.pipeline_s == pytest.approx(max(ends())) and before.pipeline_s == pytest.approx(max(ends_before))
     assert after.cpu_s == pytest.approx(before.cpu_s + (0.1 * (16 - pipeline) if before.cpu_s else 0.0))
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
@@ -19,7 +22,9 @@ from lightning_hetero.profiling import (
     profile_layers,
     profile_loss,
     step_work,
+    send_along,
     time_link,
+    time_pipeline_action,
     time_window,
 )
 
@@ -143,6 +148,30 @@ def test_profile_round_trip(tmp_path: Path) -> None:
 def test_link_fit() -> None:
     link = time_link(lambda buffer: buffer.clone(), CPU, sizes=(1 << 12, 1 << 22))
     assert link.bytes_per_s > 1e8 and link.time(1 << 24) > link.time(1 << 10)
+
+
+def _send_along(rank: int, world: int, out: Path) -> None:
+    store = dist.FileStore(str(out / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        transfer = send_along(dist.group.WORLD)
+        received = transfer(torch.full((8,), float(rank)))
+        assert torch.equal(received, torch.full((8,), float((rank - 1) % world)))
+        link = time_link(transfer, CPU, sizes=(1 << 10, 1 << 16), repeats=2)
+        action = time_pipeline_action(CPU, dist.group.WORLD, repeats=2, micro_batches=4)
+        assert 0 < action < 1.0
+        (out / f"ok{rank}").write_text(str(link.latency))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_pipeline_link_is_one_message_to_the_next_stage(tmp_path: Path, world: int) -> None:
+    """What the analyzer times as the pipeline's link: each stage process sends to the next and
+    receives from the one before, at once, as a schedule's sends go; and what one action of a
+    schedule costs on the path it waits on (a pipeline of a tiny layer per process)."""
+    mp.start_processes(_send_along, args=(world, tmp_path), nprocs=world, start_method="fork")
+    assert all(float((tmp_path / f"ok{r}").read_text()) >= 0 for r in range(world))
 
 
 def test_the_loss_is_profiled_and_costed_where_the_last_layer_is() -> None:
