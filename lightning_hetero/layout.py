@@ -45,7 +45,8 @@ class RunLayout:
     """Mixin for the hetero strategy: its layout and the topology it gives. The strategy provides
     ``_plan``, ``_stage_devices``, ``_num_nodes``, ``_emulated_speed``, ``_planner``, ``_groups``
     (once connected), ``_engine`` (once set up), ``_tuned_loaders`` (the training DataLoaders whose
-    workers it may change) and ``local_rank``."""
+    workers it may change), ``_schedule_request`` (the schedule arguments, None with a plan given) and
+    ``local_rank``."""
 
     _plan: HeteroPlan
     _stage_devices: list[torch.device]
@@ -56,6 +57,7 @@ class RunLayout:
     _engine: Optional[StepEngine]
     _tuned_loaders: list[DataLoader]
     _loader_policy: LoaderPolicy
+    _schedule_request: Optional[tuple[Any, Any]]
     local_rank: int
     lightning_module: Optional[LightningModule]
     _encoder_pacing: Optional[EncoderPacing] = None
@@ -65,6 +67,13 @@ class RunLayout:
         """The run's layout: the plan given, the plan of the layout arguments, or the workload analyzer's
         once it has applied one. Its CPU fraction follows ``set_cpu_fraction``."""
         return self._plan
+
+    @property
+    def schedule_request(self) -> tuple[Any, Any]:
+        """The schedule and stages per process as the arguments ask for them, each ``"auto"`` where they
+        leave it to a planner (the workload analyzer); a plan given fixes both."""
+        request = self._schedule_request
+        return request if request is not None else (self._plan.schedule, self._plan.stages_per_process)
 
     def plan_with(self, planner: Planner) -> None:
         """Have ``planner(trainer, strategy, blocks)`` give this run's plan, on every rank, when the

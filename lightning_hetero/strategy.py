@@ -82,10 +82,11 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         cpu_threads: torch threads per CPU worker; ``None``: its pinned cores, or the machine's shared out.
         micro_batches: micro-batches the pipeline's share is cut into.
         schedule: a schedule known to ``get_schedule_class``: one stage per process ("GPipe", "1F1B"), or several
-            ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"; ``docs/schedules.md``).
+            ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"; ``docs/schedules.md``);
+            ``"auto"``: the workload analyzer's choice (GPipe without one).
         stages_per_process: the stages each stage process holds with a multi-stage schedule: ``"auto"`` is 2 for
-            those (a V for ZBVZeroBubble and DualPipeV), 1 for the others; the blocks are cut into that many stages
-            per process.
+            those (a V for ZBVZeroBubble and DualPipeV), 1 for the others, or the workload analyzer's choice; the
+            blocks are cut into that many stages per process.
         cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given; ``"auto"``:
             the share the CPU earns in training (``docs/rebalancing.md``).
         start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
@@ -125,7 +126,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         cpu_workers: Union[int, Literal["auto"], Sequence[Sequence[int]]] = 1,
         cpu_threads: Optional[int] = None,
         micro_batches: int = 4,
-        schedule: ScheduleArg = "GPipe",
+        schedule: Union[ScheduleArg, Literal["auto"]] = "auto",
         stages_per_process: Union[int, Literal["auto"]] = "auto",
         cpu_fraction: Union[float, Literal["auto"]] = "auto",
         start_method: Literal["auto", "popen", "fork", "spawn", "forkserver"] = "auto",
@@ -154,6 +155,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         arguments = {name: value for name, value in locals().items() if name in LAYOUT_ARGUMENTS}
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
         self._earned_fraction = plan is None and cpu_fraction == "auto"
+        self._schedule_request = (schedule, stages_per_process) if plan is None else None
         self._loader_policy = check_loader_policy(dataloader_workers)
         if isinstance(self._loader_policy, int):
             self._plan = replace(self._plan, dataloader_workers=self._loader_policy)

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.pipeline import holders, stages_of
+from lightning_hetero.pipeline import V_SHAPED, available_schedules, holders, stages_of
+from lightning_hetero.plan import HeteroPlan
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, TiedNet, regression_data
 from tests.test_replicas import assert_same_run
@@ -26,15 +26,7 @@ TOL = 1e-10
 STEPS = 8
 
 
-def _known(name: str) -> bool:
-    try:
-        get_schedule_class(name)
-        return True
-    except ValueError:
-        return False
-
-
-SCHEDULES = [s for s in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV") if _known(s)]
+SCHEDULES = available_schedules()
 
 
 def micro_batches(schedule: str, processes: int) -> int:
@@ -218,22 +210,52 @@ def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:
     assert HeteroStrategy(stages=["cpu", "cpu"], schedule="1F1B", micro_batches=2).plan.stages_per_process == 1
 
 
-def test_the_analyzer_keeps_a_multi_stage_layout(tmp_path: Path, plain: Net) -> None:
+def _analyzed(tmp_path: Path, model: Net, **kwargs: Any) -> tuple[Net, HeteroPlan, str]:
+    """Fit ``model`` with the workload analyzer planning the run; the model, the plan and explain.txt."""
     from lightning_hetero.callbacks import WorkloadAnalyzer
 
-    def strategy() -> HeteroStrategy:
-        return hetero(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, cpu_fraction=0.5)
-
     analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path))
-    with pytest.warns(UserWarning, match="plans single-stage schedules only; schedule 'Interleaved1F1B' with 2 stages"):
-        analyzer.setup(trainer(strategy(), max_steps=STEPS, callbacks=[analyzer]), Net(), "fit")  # as each process calls it
-    assert max_param_diff(plain, fit(strategy(), callbacks=[analyzer])) < TOL
-    assert not (tmp_path / "plan.yaml").exists()
+    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.5, **kwargs)
+    trainer(strategy, max_steps=STEPS, callbacks=[analyzer]).fit(model, regression_data())
+    return model, HeteroPlan.load(tmp_path / "plan.yaml"), (tmp_path / "explain.txt").read_text()
 
 
-def test_the_command_line_planner_says_it_plans_single_stage_schedules(capsys: pytest.CaptureFixture) -> None:
-    from lightning_hetero.planner import main as planner_main
+def _weighed(explanation: str) -> list[tuple[str, int]]:
+    table = explanation.split("each schedule weighed")[1].split("\n\n")[0].splitlines()[2:]
+    return sorted((line.split()[0], int(line.split()[1])) for line in table)
 
-    with pytest.raises(SystemExit):
-        planner_main(["profile.json", "--schedule", "Interleaved1F1B"])
-    assert "the planner plans single-stage schedules" in capsys.readouterr().err
+
+@pytest.mark.skipif("Interleaved1F1B" not in SCHEDULES, reason="this torch lacks Interleaved1F1B")
+def test_the_analyzer_plans_the_multi_stage_schedule_it_is_given(tmp_path: Path, plain: Net) -> None:
+    """Named, the schedule stays; the planner cuts the blocks into the stages per process it finds
+    fastest, and the run trains as one process does."""
+    model, plan, explanation = _analyzed(tmp_path, Net().double(), schedule="Interleaved1F1B")
+    assert max_param_diff(plain, model) < TOL
+    assert plan.schedule == "Interleaved1F1B" and plan.stages_per_process in (2, 3)  # Net has six blocks
+    assert len(plan.boundaries) == 2 * plan.stages_per_process - 1
+    assert f"schedule Interleaved1F1B, {plan.stages_per_process} stages per process" in explanation
+    assert _weighed(explanation) == [("Interleaved1F1B", 2), ("Interleaved1F1B", 3)]
+
+
+def test_the_analyzer_chooses_the_schedule_left_to_it(tmp_path: Path, plain: Net) -> None:
+    """``schedule="auto"`` (the default): every schedule this torch has is weighed, and explain.txt
+    shows each one's fastest layout beside the one chosen."""
+    model, plan, explanation = _analyzed(tmp_path, Net().double())
+    assert max_param_diff(plain, model) < TOL
+    expected = [("GPipe", 1), ("1F1B", 1)] + [(n, k) for n in SCHEDULES for k in ((2,) if n in V_SHAPED else (2, 3))]
+    assert _weighed(explanation) == sorted(expected)
+    first = explanation.split("each schedule weighed")[1].splitlines()[2].split()
+    assert (first[0], int(first[1])) == (plan.schedule, plan.stages_per_process)
+
+
+def test_the_analyzer_weighs_one_stage_per_process_for_tied_weights(tmp_path: Path) -> None:
+    _, plan, explanation = _analyzed(tmp_path, TiedNet().double())
+    assert plan.stages_per_process == 1 and _weighed(explanation) == [("1F1B", 1), ("GPipe", 1)]
+
+
+def test_a_schedule_left_to_the_planner_is_gpipe_without_one() -> None:
+    assert HeteroStrategy(stages=["cpu", "cpu"]).plan.schedule == "GPipe"
+    if "Interleaved1F1B" in SCHEDULES:
+        plan = HeteroStrategy(stages=["cpu", "cpu"], stages_per_process=3, micro_batches=2).plan
+        assert (plan.schedule, plan.stages_per_process) == ("Interleaved1F1B", 3)
+    assert HeteroStrategy(stages=["cpu", "cpu"], schedule="1F1B", micro_batches=2).schedule_request == ("1F1B", "auto")

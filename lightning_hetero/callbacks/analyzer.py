@@ -34,7 +34,7 @@ from lightning_hetero.data import training_loader
 from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction, best_placement, explain_placement, samples_by_place
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
 from lightning_hetero.loading import tunable
-from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
+from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair, tied_parameters
 from lightning_hetero.multimodal import carrying, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
@@ -51,6 +51,7 @@ from lightning_hetero.profiling import (
     LinkProfile,
     Profile,
     all_reduce_over,
+    send_along,
     gradient_sum_over,
     kept_buffers,
     optimizer_state_factor,
@@ -59,6 +60,7 @@ from lightning_hetero.profiling import (
     time_encoders,
     time_link,
     time_optimizer,
+    time_pipeline_action,
     time_window,
 )
 from lightning_hetero.record import StepRecord
@@ -166,14 +168,6 @@ class WorkloadAnalyzer(L.Callback):
             )
             self._planned = True  # nothing to plan
             return
-        if strategy.plan.stages_per_process > 1 and strategy.plan.parallelism != "replicas":
-            rank_zero_warn(
-                f"WorkloadAnalyzer plans single-stage schedules only; schedule {strategy.plan.schedule!r} with"
-                f" {strategy.plan.stages_per_process} stages per process trains as its layout sets (with"
-                " `cpu_fraction='auto'` the rebalancer finds the CPU's share)."
-            )
-            self._planned = True
-            return
         strategy.plan_with(partial(self._plan_run, blocks=blocks, encoders=encoders))
 
     def _plan_run(
@@ -221,7 +215,8 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            result = [(*self._plan(trainer, strategy, parts, batch_size), self.alternative, self.loading)]
+            multi_stage = not strategy.plan.encoders and not tied_parameters(layers, [(i, i + 1) for i in range(len(layers))])
+            result = [(*self._plan(trainer, strategy, parts, batch_size, multi_stage), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
         self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
@@ -274,6 +269,11 @@ class WorkloadAnalyzer(L.Callback):
         together = self._together(control, step, sharing, alone)
         gradient_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
         links = self._measure_links(strategy, sum(layer.param_bytes for layer in described), gradient_bytes)
+        if "pipeline" in links:
+            # All stage processes at once, over their group: what each action of a schedule costs on the
+            # path it waits on, its send's latency included; the link keeps the bandwidth a send's bytes take.
+            times.action_s = time_pipeline_action(device, strategy.process_groups.stage, 2 * self.repeats + 1)  # type: ignore[union-attr]
+            links["pipeline"] = replace(links["pipeline"], latency=0.0)
         exchange_s = self._exchange_time(strategy)
         memory = None
         if device.type == "cuda":
@@ -383,7 +383,7 @@ class WorkloadAnalyzer(L.Callback):
                     links["sync"] = link
         if groups.stage is not None and strategy.role.is_stage and len(strategy.topology.stage_devices) > 1:
             device = strategy.root_device
-            links["pipeline"] = time_link(all_reduce_over(groups.stage), device, repeats=self.repeats)
+            links["pipeline"] = time_link(send_along(groups.stage), device, repeats=self.repeats)
         if strategy.root_device.type == "cuda" and not strategy.role.is_cpu_worker:
             numel = max(1 << 16, min(1 << 24, layer_bytes // 4))
             pinned = torch.empty(numel, pin_memory=True)
@@ -392,9 +392,12 @@ class WorkloadAnalyzer(L.Callback):
         return links
 
     def _plan(
-        self, trainer: L.Trainer, strategy: "HeteroStrategy", parts: list[dict[str, Any]], batch_size: int
+        self, trainer: L.Trainer, strategy: "HeteroStrategy", parts: list[dict[str, Any]], batch_size: int, multi_stage: bool
     ) -> tuple[HeteroPlan, Prediction, Profile]:
-        """Rank 0: assemble the profile, plan, and split the cores between loading and compute."""
+        """Rank 0: assemble the profile, plan, and split the cores between loading and compute. The
+        schedule and stages per process are the arguments', or where they leave them to the planner
+        (``"auto"``) its choice: single-stage schedules only, unless ``multi_stage`` (a model without
+        tied weights or placed encoders, which several stages per process do not take)."""
         devices: dict[str, DeviceTimes] = {}
         links: dict[str, LinkProfile] = {}
         memory: dict[str, float] = {}
@@ -420,14 +423,17 @@ class WorkloadAnalyzer(L.Callback):
             shared_cores=_shared_cores(parts, cores),
             numa_nodes=[list(node.cpus) for node in numa_nodes(affinity=affinity)],
         )
+        schedule, stages_per_process = strategy.schedule_request
         layouts = compare_layouts(
             profile,
             _machine(strategy, profile),
             batch_size,
             mode=strategy.mode,
-            schedule=strategy.plan.schedule,
+            schedule=schedule,
             max_micro_batches=self.max_micro_batches,
             bucket_size_mb=strategy.plan.bucket_size_mb,
+            stages_per_process=stages_per_process,
+            multi_stage=multi_stage,
         )
         # The run's processes and groups exist already, for its parallelism: the analyzer plans
         # that, and weighs the other's best layout beside it (`explanation`, `plan_<other>.yaml`).
@@ -599,7 +605,8 @@ class WorkloadAnalyzer(L.Callback):
         if warm is not None and measured:
             for name, rate in calibrated_optimizer_rates(self.profile, machine, warm, measured).items():
                 self.profile.devices[name].optimizer_s_per_param = rate
-        self.prediction = predict_plan(self.profile, machine, self.plan)
+        weighed = self.prediction.considered  # as planned, from the profile alone
+        self.prediction = replace(predict_plan(self.profile, machine, self.plan), considered=weighed)
         directory = self._directory(trainer)
         if trainer.is_global_zero:
             self.profile.save(directory / "profile.json")
