@@ -24,6 +24,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,24 +35,15 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.data import DataLoader
 
 from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
-from lightning_hetero import HeteroStrategy
-from lightning_hetero.pipeline import V_SHAPED, is_multi_stage, partition_layers, stages_of
+from lightning_hetero import HeteroPlan, HeteroStrategy
+from lightning_hetero.callbacks import WorkloadAnalyzer
+from lightning_hetero.pipeline import V_SHAPED, available_schedules, is_multi_stage, partition_layers, stages_of
+from lightning_hetero.planner import Machine, predict_plan
+from lightning_hetero.profiling import Profile
 
 PROCESSES = 2
 WARMUP = 3
 DEFAULTS = dict(steps=40, repeats=3, micro_batches=4, width=512, batch_size=256)
-
-
-def available() -> list[str]:
-    """The multi-stage schedules this torch has."""
-    found = []
-    for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        try:
-            get_schedule_class(name)
-            found.append(name)
-        except ValueError:
-            pass
-    return found
 
 
 def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
@@ -94,11 +86,20 @@ def plain_pipelining(model: MLP, loader: DataLoader, schedule: str, micro_batche
 
 
 def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size: int) -> dict[str, dict[str, float]]:
-    """Per schedule: the strategy's median step, and for the multi-stage ones the hand-written loop's."""
+    """Per schedule: the strategy's median step, and for the multi-stage ones the hand-written loop's;
+    the workload analyzer's choice (``"planned"``: ``schedule="auto"``, its plan, its step), and each
+    schedule's step as its cost model predicts it from the analyzer's profile (``"predicted"``)."""
     torch.set_num_threads(1)  # this process only launches workers; keep forking safe
     loader = synthetic_loader(batch_size * steps, batch_size)
-    configs = {}
-    for schedule in ["GPipe", "1F1B", *available()]:
+    analyzed = Path(tempfile.mkdtemp())
+
+    def planned() -> list[float]:
+        analyzer = WorkloadAnalyzer(save_dir=str(analyzed), warmup_steps=WARMUP + 2, measure_steps=3)
+        hetero = HeteroStrategy(stages=["cpu"] * PROCESSES, cpu_workers=0, micro_batches=micro_batches, start_method="fork")
+        return step_times(hetero, MLP(width=width), loader, steps, callbacks=[analyzer])
+
+    configs: dict[str, Any] = {"planned/hetero": planned}
+    for schedule in ["GPipe", "1F1B", *available_schedules()]:
 
         def strategy(schedule: str = schedule) -> list[float]:
             hetero = HeteroStrategy(
@@ -114,14 +115,36 @@ def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size
     for name, value in medians.items():
         schedule, side = name.split("/")
         results.setdefault(schedule, {})[side] = value
+    plan, profile = HeteroPlan.load(analyzed / "plan.yaml"), Profile.load(analyzed / "profile.json")
+    machine = Machine.as_profiled(profile, ["cpu"] * PROCESSES, cpu_workers=0)
+    for schedule, r in results.items():
+        if schedule != "planned":
+            r["predicted"] = predict_plan(profile, machine, _layout_of(schedule, micro_batches, width)).step_s
+    results["planned"]["predicted"] = predict_plan(profile, machine, plan).step_s
+    results["planned"]["plan"] = f"{plan.schedule} x{plan.stages_per_process}, {plan.micro_batches} micro-batches"  # type: ignore[assignment]
     return results
+
+
+def _layout_of(schedule: str, micro_batches: int, width: int) -> HeteroPlan:
+    """The plan the strategy runs for ``schedule``: its stages cut by parameter count, as the strategy cuts them."""
+    per_process = 2 if is_multi_stage(get_schedule_class(schedule)) else 1
+    bounds = partition_layers(MLP(width=width).pipeline_layers(), PROCESSES * per_process)
+    return HeteroPlan(
+        stages=["cpu"] * PROCESSES, cpu_workers=0, micro_batches=micro_batches, schedule=schedule,
+        stages_per_process=per_process, boundaries=[start for start, _ in bounds[1:]],
+    )  # fmt: skip
 
 
 def rows(smoke: bool = False) -> list[Row]:
     sizes = dict(steps=6, repeats=1, width=32, batch_size=16) if smoke else {}
     results = measure(**{**DEFAULTS, **sizes})
     gpipe, one_f_one_b = results["GPipe"]["hetero"], results["1F1B"]["hetero"]
-    out = []
+    planned = results.pop("planned")
+    fastest = min(r["hetero"] for r in results.values())
+    out = [
+        Row("schedules", f"the analyzer's choice ({planned['plan']}) / the fastest schedule measured", planned["hetero"] / fastest, "<= 1.05", "schedule='auto'"),
+        *[Row("schedules", f"{schedule}: predicted / measured step", r["predicted"] / r["hetero"], "", "the analyzer's profile") for schedule, r in results.items()],
+    ]  # fmt: skip
     for schedule, r in results.items():
         if schedule in ("GPipe", "1F1B"):
             continue
@@ -141,12 +164,18 @@ def main() -> None:
     results = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size)
     print(f"MLP 6x{args.width}, batch {args.batch_size}, {PROCESSES} emulated stage processes, {args.micro_batches} micro-batches; median step (ms)")
     gpipe, one_f_one_b = results["GPipe"]["hetero"], results["1F1B"]["hetero"]
+    planned = results.pop("planned")
     for schedule, r in results.items():
         plain = f"plain {r['plain'] * 1e3:8.2f} (hetero/plain {r['hetero'] / r['plain']:.3f})" if "plain" in r else ""
         print(
             f"{schedule:>22s}: hetero {r['hetero'] * 1e3:8.2f}, / GPipe {r['hetero'] / gpipe:.3f}, / 1F1B"
-            f" {r['hetero'] / one_f_one_b:.3f}  {plain}"
+            f" {r['hetero'] / one_f_one_b:.3f}, predicted {r['predicted'] * 1e3:8.2f}  {plain}"
         )
+    fastest = min(results, key=lambda schedule: results[schedule]["hetero"])
+    print(
+        f"the analyzer's choice (schedule='auto'): {planned['plan']}, step {planned['hetero'] * 1e3:.2f} ms (predicted"
+        f" {planned['predicted'] * 1e3:.2f}), {planned['hetero'] / results[fastest]['hetero']:.3f}x the fastest measured ({fastest})"
+    )
 
 
 if __name__ == "__main__":
