@@ -887,7 +887,7 @@ def predict(
     workers = machine.cpu_workers if share else 0
     u = pipeline_samples / micro_batches if pipeline_samples else 0.0
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
-    pipe = max(finish_times(tasks, threads, None), default=0.0)  # each process at its own speed
+    pipe, bubble = _played_alone(tasks, owner[-1])
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
     optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, sum(process_params), workers, threads, capacity)
     tail = sync + optimizer
@@ -911,19 +911,24 @@ def predict(
         sync_s=sync,
         optimizer_s=optimizer,
         optimizer_by_role=optimizer_by_role,
-        bubble=_bubble(tasks, owner[-1]) if pipeline_samples else 0.0,
+        bubble=bubble,
         memory=memory,
         overhead_s=profile.step_overhead_s,
     )
 
 
-def _bubble(tasks: Sequence[Sequence[Task]], replaying: int) -> float:
-    """The share of the schedule's time (without the replay, on process ``replaying``) the stage
-    processes sit idle, each at its own speed."""
+def _played_alone(tasks: Sequence[Sequence[Task]], replaying: int) -> tuple[float, float]:
+    """The pipeline's time with each stage process at its own speed, and its bubble: the share of the
+    schedule's time (without the replay, the last task of process ``replaying``) the processes sit
+    idle. (The replay waits for nothing but its own process, so one play gives both.)"""
+    if not any(tasks):
+        return 0.0, 0.0
     schedule = [list(t[:-1]) if r == replaying else list(t) for r, t in enumerate(tasks)]
-    span = max(finish_times(schedule, [0] * len(schedule), None), default=0.0)
+    ends = finish_times(schedule, [0] * len(schedule), None)
+    span = max(ends)
     busy = sum(task.seconds for process in schedule for task in process) / len(schedule)
-    return 1 - busy / span if span > 0 else 0.0
+    ends[replaying] += tasks[replaying][-1].seconds
+    return max(ends), (1 - busy / span if span > 0 else 0.0)
 
 
 def step_method_rate(profile: Profile, machine: Machine, plan: HeteroPlan, replay_s: float, samples: float) -> float:
