@@ -53,13 +53,16 @@ def place_rank(
     global_rank = node_rank * topology.procs_per_node + local_rank
     role = topology.role(local_rank)
     layers, bounds = plan.place_blocks(module)
+    owner = plan.stage_holders()
     tied = tied_parameters(layers, bounds)
-    sums = tied_groups(topology, global_rank, [stages for stages, _ in tied], timeout)
+    # Tied weights are summed between the processes that hold their stages (one, where a process
+    # holds all of them: its backward adds their uses up, as one process's does).
+    processes = [tuple(sorted({owner[s] for s in stages})) for stages, _ in tied]
+    sums = tied_groups(topology, global_rank, processes, timeout)
     tied_sums = [Tied(stages, params, *pair) for (stages, params), pair in zip(tied, sums)]
     schedule = resolve_schedule(plan.schedule, topology.num_stages, plan.micro_batches, plan.stages_per_process)
     if len(bounds) > topology.num_stages:
         # Several stages per process: each stage is summed over its process's sync group.
-        owner = plan.stage_holders()
         sync, ranks = [groups.sync[o] for o in owner], [topology.stage_ranks(node_rank)[o] for o in owner]
         placement = Placement(layers, bounds, sync, ranks, tied_sums, holders=owner)
     else:

@@ -206,7 +206,7 @@ class HeteroPlan:
             count = len(self.stages) * self.stages_per_process
             bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, count)
             if self.stages_per_process > 1:
-                self._check_multi_stage(model, layers, bounds)
+                self._check_multi_stage(model)
             encoder_stages(model, self.encoders, layers, bounds)
         if not isinstance(self.offload, str) and self.offload:
             tied = [stages for stages, _ in tied_parameters(layers, bounds)]
@@ -218,20 +218,13 @@ class HeteroPlan:
                 )
         return layers, bounds
 
-    def _check_multi_stage(self, model: nn.Module, layers: list[nn.Module], bounds: list[tuple[int, int]]) -> None:
-        """What several stages per process do not take yet, refused with what to do."""
+    def _check_multi_stage(self, model: nn.Module) -> None:
+        """What several stages per process do not take yet (placed encoders), refused with what to do."""
         name = type(model).__name__
         if self.encoders:
             raise ValueError(
                 f"`{name}` places encoders ({self.encoders}) in a pipeline of several stages per process"
                 f" (schedule {self.schedule!r}); place them with a single-stage schedule ('GPipe', '1F1B')."
-            )
-        tied = tied_parameters(layers, bounds)
-        if tied:
-            raise ValueError(
-                f"`{name}` shares parameters between the blocks of stages {list(tied[0][0])} (tied weights), which"
-                f" several stages per process (schedule {self.schedule!r}) do not sum yet; use a single-stage"
-                " schedule ('GPipe', '1F1B')."
             )
 
     def cut(self, layer_names: Sequence[str]) -> list[tuple[int, int]] | None:

@@ -352,19 +352,20 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
 
 
 def tied_groups(
-    topology: Topology, global_rank: int, stage_sets: Sequence[tuple[int, ...]], timeout: timedelta
+    topology: Topology, global_rank: int, process_sets: Sequence[tuple[int, ...]], timeout: timedelta
 ) -> list[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
-    """For each set of stages that share parameters (tied weights), the groups their gradients are
-    summed over on this rank's node: those stages with the CPU workers, and those stages alone;
-    ``None`` where this rank is not a member (collective: every rank creates every group)."""
+    """For each set of stage processes whose stages share parameters (tied weights), the groups
+    their gradients are summed over on this rank's node: those processes with the CPU workers, and
+    those processes alone (``None`` for one process: nobody to sum with); ``None`` where this rank
+    is not a member (collective: every rank creates every group)."""
     node = global_rank // topology.procs_per_node
     found = []
-    for stages in stage_sets:
+    for processes in process_sets:
         mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
         for n in range(topology.num_nodes):
-            holders = [topology.stage_ranks(n)[s] for s in stages]
+            holders = [topology.stage_ranks(n)[s] for s in processes]
             members = topology.cpu_ranks(n) + holders
-            without_cpu = dist.new_group(holders, timeout=timeout, backend="gloo")
+            without_cpu = dist.new_group(holders, timeout=timeout, backend="gloo") if len(holders) > 1 else None
             with_cpu = dist.new_group(members, timeout=timeout, backend="gloo") if topology.cpu_workers else without_cpu
             if n == node:
                 mine = (with_cpu if global_rank in members else None, without_cpu if global_rank in holders else None)

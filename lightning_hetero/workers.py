@@ -88,9 +88,9 @@ class Tied:
     stages: tuple[int, ...]
     params: list[nn.Parameter]
     group: Optional[dist.ProcessGroup]
-    """Those stages and the CPU workers, where this rank is a member."""
+    """The processes of those stages and the CPU workers, where this rank is a member."""
     without_cpu: Optional[dist.ProcessGroup]
-    """Those stages alone, where this rank is one."""
+    """The processes of those stages alone, where this rank is one (None where one process holds them all)."""
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,8 @@ class Worker:
 
     def sum_tied(self, tied: Tied) -> SumOver:
         """Whom this rank sums tied parameters with: the stages that hold them and the CPU workers;
-        their gradients count in the global norm on the first of those stages."""
-        return SumOver(tied.params, tied.group, tied.without_cpu, counted=self.norm_slot == tied.stages[0])
+        their gradients count in the global norm on the process of the first of those stages."""
+        return SumOver(tied.params, tied.group, tied.without_cpu, counted=self.norm_slot == self.placement.holder(tied.stages[0]))
 
     def sync_buckets(self) -> list[SumOver]:
         """The parameters this rank sums with others, per stage it holds, then the tied ones it holds,
@@ -596,6 +596,16 @@ class StageWorker(Worker):
     def expected_grads(self, shares: Shares) -> int:
         """Gradients each parameter receives in this step's backward: one per micro-batch."""
         return shares.micro_batches if shares.pipeline_size else 0
+
+    @override
+    def arrivals(self, shares: Shares, batch: Any) -> Arrivals:
+        """As every worker's, but a tied parameter used by several stages this process holds receives
+        one gradient per micro-batch from each of them."""
+        found = super().arrivals(shares, batch)
+        held = set(self.held_stages())
+        uses = {p: len(held & set(t.stages)) for t in self.placement.tied for p in t.params}
+        more = {p: found.of(p) * n for p, n in uses.items() if n > 1}
+        return Arrivals(found.each, {**found.params, **more}) if more else found
 
     @override
     def train_step(

@@ -13,10 +13,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
 from lightning_hetero.module import check_model_contract, tied_parameters
+from lightning_hetero.pipeline import available_schedules
 from lightning_hetero.state import drop_to_meta
-from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
+from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import PipelinedGPT2, TiedNet, TinyGPT2, regression_data, token_data
 
 TOL = 1e-10
@@ -79,16 +81,58 @@ def test_accumulation_and_steps_without_the_cpu_worker(plain: TiedNet) -> None:
     assert max_param_diff(reference, model) < TOL
 
 
-@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
-def test_hugging_face_gpt2_as_a_pipeline(tmp_path: Path, cpu_fraction: float) -> None:
+@pytest.mark.parametrize(
+    ("cpu_fraction", "schedule"), [(0.0, "GPipe"), (0.5, "GPipe"), (0.5, "ZBVZeroBubble"), (0.0, "Interleaved1F1B")]
+)
+def test_hugging_face_gpt2_as_a_pipeline(tmp_path: Path, cpu_fraction: float, schedule: str) -> None:
     """A transformers GPT-2 cut into blocks (its embedding on the first stage, its head, which uses
-    the same weight, on the last) trains as the model's own `model(**batch).loss` in one process."""
+    the same weight, on the last) trains as the model's own `model(**batch).loss` in one process; also
+    with two stages per process, in a V (the first process holds both) or a loop (two processes do)."""
+    if schedule not in ("GPipe", *available_schedules()):
+        pytest.skip(f"this torch has no {schedule}")
     reference = fit(TinyGPT2(attention="sdpa"), None, token_data())
-    strategy = hetero(stages=["cpu"] * 2, cpu_fraction=cpu_fraction, micro_batches=2)
+    strategy = hetero(stages=["cpu"] * 2, cpu_fraction=cpu_fraction, micro_batches=2, schedule=schedule)
     model = fit(PipelinedGPT2(), strategy, token_data(), copies=tmp_path)
     assert_copies_identical(tmp_path)
     assert max_param_diff(reference, model) < TOL
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
+
+
+MULTI = available_schedules()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "boundaries", "together"),
+    [
+        ("ZBVZeroBubble", [1, 2, 4], True),  # blocks 0 and 4 on stages 0 and 3: both on the first process
+        ("ZBVZeroBubble", [1, 3, 5], False),  # block 4 on stage 2: the second process
+        ("Interleaved1F1B", [1, 3, 5], True),  # block 4 on stage 2: the first process, as stage 0
+        ("Interleaved1F1B", [1, 2, 4], False),
+        ("DualPipeV", [1, 2, 4], True),
+    ],
+)
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+def test_several_stages_per_process_sum_the_tied_weight_between_their_processes(
+    tmp_path: Path, plain: TiedNet, schedule: str, boundaries: list[int], together: bool, mode: str, cpu_fraction: float
+) -> None:
+    """Where one process holds every stage that uses the tied weight, its backward adds the uses up (in
+    fine mode, its bucket waits for the gradients of both stages' micro-batches); where two do, they
+    sum as with one stage per process. Clipping by norm: the tied gradient counts once."""
+    if schedule not in MULTI:
+        pytest.skip(f"this torch has no {schedule}")
+    plan = HeteroPlan(
+        stages=["cpu", "cpu"], schedule=schedule, stages_per_process=2, boundaries=boundaries, micro_batches=4,
+        cpu_fraction=cpu_fraction, mode=mode, offload="all" if mode == "fine" else [], bucket_size_mb=1e-5,
+    )  # fmt: skip
+    layers = check_model_contract(TiedNet())
+    [(stages, _)] = tied_parameters(layers, plan.cut([f"layers.{i}" for i in range(6)]))
+    assert (len({plan.stage_holders()[s] for s in stages}) == 1) == together
+    strategy = HeteroStrategy(plan=plan, start_method="fork", timeout=TIMEOUT)
+    model = fit(TiedNet(), strategy, copies=tmp_path, gradient_clip_val=0.05)
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, model) < TOL
+    assert model.layers[4].weight is model.layers[0].weight
 
 
 def test_checkpoint_holds_the_tied_weight_once_and_resumes(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from lightning_hetero.data import training_loader
 from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction, best_placement, explain_placement, samples_by_place
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
 from lightning_hetero.loading import tunable
-from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair, tied_parameters
+from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
 from lightning_hetero.multimodal import carrying, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
@@ -215,8 +215,7 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            multi_stage = not strategy.plan.encoders and not tied_parameters(layers, [(i, i + 1) for i in range(len(layers))])
-            result = [(*self._plan(trainer, strategy, parts, batch_size, multi_stage), self.alternative, self.loading)]
+            result = [(*self._plan(trainer, strategy, parts, batch_size, not strategy.plan.encoders), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
         self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
@@ -396,8 +395,8 @@ class WorkloadAnalyzer(L.Callback):
     ) -> tuple[HeteroPlan, Prediction, Profile]:
         """Rank 0: assemble the profile, plan, and split the cores between loading and compute. The
         schedule and stages per process are the arguments', or where they leave them to the planner
-        (``"auto"``) its choice: single-stage schedules only, unless ``multi_stage`` (a model without
-        tied weights or placed encoders, which several stages per process do not take)."""
+        (``"auto"``) its choice: single-stage schedules only, unless ``multi_stage`` (without placed
+        encoders, which several stages per process do not take)."""
         devices: dict[str, DeviceTimes] = {}
         links: dict[str, LinkProfile] = {}
         memory: dict[str, float] = {}
