@@ -135,6 +135,21 @@ def test_several_stages_per_process_sum_the_tied_weight_between_their_processes(
     assert model.layers[4].weight is model.layers[0].weight
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "Interleaved1F1B"])
+def test_several_stages_per_process_checkpoint_the_tied_weight_once_and_resume(tmp_path: Path, schedule: str) -> None:
+    """No CPU worker: rank 0 is the first stage process, which in a V holds both uses of the weight."""
+    if schedule not in MULTI:
+        pytest.skip(f"this torch has no {schedule}")
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    whole = fit(TiedNet(), hetero(cpu_workers=0, schedule=schedule), callbacks=[saving], enable_checkpointing=True)
+    state = torch.load(tmp_path / "step=4.ckpt", weights_only=False)["state_dict"]
+    assert state["layers.4.weight"].untyped_storage().data_ptr() == state["layers.0.weight"].untyped_storage().data_ptr()
+    resumed = TiedNet().double()  # a checkpoint loads before the precision plugin converts the model
+    trainer(hetero(cpu_fraction=0.5, schedule=schedule), max_steps=8).fit(resumed, regression_data(), ckpt_path=tmp_path / "step=4.ckpt")
+    assert max_param_diff(whole, resumed) < TOL
+    assert resumed.layers[4].weight is resumed.layers[0].weight
+
+
 def test_checkpoint_holds_the_tied_weight_once_and_resumes(tmp_path: Path) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     # No CPU worker: rank 0 is the first stage, and the checkpoint is gathered from the stages.
