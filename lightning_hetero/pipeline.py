@@ -300,15 +300,21 @@ class _OrderOnly(PipelineStage):
 
 
 class StageModule(nn.Module):
-    """One stage's slice of the layers, run in order exactly as ``PipelineModule.forward`` runs them."""
+    """One stage's slice of the layers, run in order exactly as ``PipelineModule.forward`` runs them.
+    ``first``: the slice begins the model, and takes the model's inputs."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], first: bool = True) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.first = first
 
     def forward(self, *args: Any, **inputs: Any) -> Any:
         # A dict of inputs travels as keyword arguments (torch's stages take only tensors as
         # positional ones); the first block takes it as one dict, as `PipelineModule.forward` gives it.
+        # A multi-stage schedule hands those keyword arguments to every stage of the process that holds
+        # the first: the others take the stage before's outputs only.
+        if not self.first:
+            inputs = {}
         outputs = run_layers(self.layers, inputs if inputs else args if len(args) > 1 else args[0])
         return _attached(outputs) if torch.is_grad_enabled() else outputs
 

@@ -206,5 +206,5 @@ def encoder_exchange(
     if not topology.replicas and devices > 1:
         encoders = modality_encoders(module)
         stages = encoder_stages(module, dict.fromkeys(encoders, ""), placement.layers, placement.bounds, strict=False)
-        consumes = {f"device{s}": {m for m, at in stages.items() if at == s} for s in range(devices)}
+        consumes = {f"device{s}": {m for m, at in stages.items() if placement.holder(at) == s} for s in range(devices)}
     return EncoderExchange(module, hosts, ranges, places[local_rank], group, device, consumes)

@@ -29,7 +29,7 @@ from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
 from lightning_hetero.offload import check_offload
-from lightning_hetero.pipeline import V_SHAPED, holders, is_multi_stage, partition_layers, resolve_schedule
+from lightning_hetero.pipeline import V_SHAPED, ZERO_BUBBLE, holders, is_multi_stage, partition_layers, resolve_schedule
 from lightning_hetero.pipeline import schedule_class, schedule_name
 from lightning_hetero.sync import make_buckets
 from lightning_hetero.topology import parse_device, resolve_stage_devices
@@ -205,9 +205,7 @@ class HeteroPlan:
             layers = check_model_contract(model)
             count = len(self.stages) * self.stages_per_process
             bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, count)
-            if self.stages_per_process > 1:
-                self._check_multi_stage(model)
-            encoder_stages(model, self.encoders, layers, bounds)
+            self._check_split_backward(model, encoder_stages(model, self.encoders, layers, bounds))
         if not isinstance(self.offload, str) and self.offload:
             tied = [stages for stages, _ in tied_parameters(layers, bounds)]
             count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20), tied))
@@ -218,13 +216,17 @@ class HeteroPlan:
                 )
         return layers, bounds
 
-    def _check_multi_stage(self, model: nn.Module) -> None:
-        """What several stages per process do not take yet (placed encoders), refused with what to do."""
-        name = type(model).__name__
-        if self.encoders:
+    def _check_split_backward(self, model: nn.Module, placed: Mapping[str, int]) -> None:
+        """A zero-bubble schedule computes a stage's input gradient apart from its weights': the output of
+        an encoder placed on another process, which a stage after the first takes in, would get no
+        gradient to send back. Refused with what to do."""
+        late = {modality: stage for modality, stage in placed.items() if stage > 0}
+        if late and schedule_name(schedule_class(self.schedule)) in ZERO_BUBBLE:
             raise ValueError(
-                f"`{name}` places encoders ({self.encoders}) in a pipeline of several stages per process"
-                f" (schedule {self.schedule!r}); place them with a single-stage schedule ('GPipe', '1F1B')."
+                f"`{type(model).__name__}` takes the placed encoders {sorted(late)} in stage(s) after the first"
+                f" ({sorted(set(late.values()))}), where schedule {self.schedule!r} splits the backward and their"
+                " outputs would get no gradient. Use a schedule with a whole backward ('Interleaved1F1B', 'LoopedBFS',"
+                " 'GPipe', '1F1B'), cut the stages so the encoders are in the first, or leave them 'split'."
             )
 
     def cut(self, layer_names: Sequence[str]) -> list[tuple[int, int]] | None:

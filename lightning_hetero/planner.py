@@ -564,18 +564,18 @@ def choose_offload(
 
 
 def schedule_candidates(
-    schedule: str, stages_per_process: Any, processes: int, layers: int, multi_stage: bool = True
+    schedule: str, stages_per_process: Any, processes: int, layers: int, multi_stage: Optional[Sequence[str]] = None
 ) -> list[tuple[str, int]]:
     """The schedules (and stages per process) the planner weighs: ``schedule="auto"``, GPipe and 1F1B
-    and, with two or more stage processes and ``multi_stage``, every multi-stage schedule this torch
-    has (``stages_per_process="auto"``: 2, 3 and 4 in a loop, 2 in a V; a number: those that take it);
-    a schedule by name, that one. None cuts the ``layers`` into more stages than it has."""
+    and, with two or more stage processes, the multi-stage schedules ``multi_stage`` names (None: every
+    one this torch has; ``stages_per_process="auto"``: 2, 3 and 4 in a loop, 2 in a V; a number: those
+    that take it); a schedule by name, that one. None cuts the ``layers`` into more stages than it has."""
     if schedule != "auto":
         names = [schedule_name(schedule)]
     else:
         names = ["GPipe", "1F1B"] if processes > 1 else ["GPipe"]
-        if multi_stage and processes > 1:
-            names += available_schedules()
+        if processes > 1:
+            names += available_schedules() if multi_stage is None else available_schedules(multi_stage)
     found = []
     for name in names:
         cls = schedule_class(name)
@@ -600,7 +600,7 @@ def plan_run(
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
-    multi_stage: bool = True,
+    multi_stage: Optional[Sequence[str]] = None,
 ) -> tuple[HeteroPlan, Prediction]:
     """The fastest layout the cost model finds for ``batch_size`` samples per step, with the schedule
     named, or (``schedule="auto"``) with the fastest of those ``schedule_candidates`` weighs: the cut,
@@ -706,7 +706,7 @@ def compare_layouts(
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
-    multi_stage: bool = True,
+    multi_stage: Optional[Sequence[str]] = None,
 ) -> dict[str, tuple[HeteroPlan, Prediction]]:
     """The best plan of each parallelism that fits, by name (``"pipeline"``: ``plan_run``;
     ``"replicas"``: ``plan_replicas``), fastest first. Raises ``ValueError`` where neither fits."""

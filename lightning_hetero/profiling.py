@@ -509,7 +509,7 @@ def time_pipeline_action(device: torch.device, group: dist.ProcessGroup, repeats
         return (output - target).pow(2).mean()
 
     pipeline = Pipeline(
-        modules=[StageModule([layer])], stage_indices=[rank], holders=list(range(size)), device=device, group=group,
+        modules=[StageModule([layer], first=rank == 0)], stage_indices=[rank], holders=list(range(size)), device=device, group=group,
         schedule=get_schedule_class("GPipe"), loss_fn=loss_fn,
     )  # fmt: skip
     seconds = _median_time(lambda: pipeline.train_step(inputs, targets, micro_batches, 1.0), device, repeats + 2)

@@ -573,7 +573,7 @@ class StageWorker(Worker):
             return SoleStage(module, placement, device)
         stages = placement.stages_of(index)
         pipeline = Pipeline(
-            modules=[StageModule(placement.layers[start:stop]) for start, stop in (placement.bounds[s] for s in stages)],
+            modules=[StageModule(placement.layers[slice(*placement.bounds[s])], first=s == 0) for s in stages],
             stage_indices=stages,
             holders=[placement.holder(s) for s in range(len(placement.bounds))],
             device=device,

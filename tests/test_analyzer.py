@@ -71,12 +71,13 @@ class RecordPlan(L.Callback):
 
 def assert_optimizer_steps_play_out_as_timed(out: Path) -> dict[str, Any]:
     """Each process's optimizer step plays out, in the warm-up's layout, as long as it took there
-    (the median of its warm-up steps); returns rank 0's record."""
+    (the median of its warm-up steps); returns rank 0's record. (A stage process whose stages hold no
+    parameters, as a planned cut into several stages per process may leave one, has no step to play.)"""
     steps = [json.loads(path.read_text()) for path in sorted(out.glob("steps*.json"))]
     played = steps[0]["played"]
-    assert {"stage0", "stage1"} <= set(played)
+    assert {"stage0", "stage1"} <= set(played) and any(played[role] > 0 for role in ("stage0", "stage1"))
     for rank in steps:
-        if rank["role"] in played:
+        if played.get(rank["role"], 0.0) > 0:
             stepped = [seconds for seconds in rank["optimizer"] if seconds > 0]  # batches that accumulate have none
             assert played[rank["role"]] == pytest.approx(statistics.median(stepped), rel=0.01)
     return steps[0]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_hetero.pipeline import available_schedules
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Multimodal, TwoPass, multimodal_data
@@ -219,15 +220,44 @@ def test_the_monitor_shows_each_encoders_time_and_the_waits_it_caused(tmp_path: 
         dict(encoders={"text": "cpu0"}, cpu_fraction=0.3),
         dict(encoders={"image": "cpu0", "text": "cpu0"}, cpu_fraction=0.0, stages=["cpu"] * 3, schedule="1F1B", micro_batches=3),
         dict(encoders={"image": "cpu0"}, cpu_fraction=0.3, mode="fine", offload="all", bucket_size_mb=0.001),
+        dict(encoders={"text": "cpu0", "image": "cpu0"}, cpu_fraction=0.3, schedule="Interleaved1F1B", micro_batches=2),
+        dict(encoders={"image": "cpu0"}, cpu_fraction=0.3, schedule="LoopedBFS", mode="fine", offload="all", bucket_size_mb=0.001),
+        dict(encoders={"image": "cpu0", "text": "cpu0"}, cpu_fraction=0.3, schedule="ZBVZeroBubble", micro_batches=4),
+        dict(encoders={"text": "cpu0"}, cpu_fraction=0.3, schedule="DualPipeV", micro_batches=4, mode="fine"),
+        dict(cpu_fraction=0.3, schedule="InterleavedZeroBubble", micro_batches=2),
     ],
-    ids=["gpipe", "1f1b-three-stages-cpu-without-a-share", "fine-offloaded"],
+    ids=[
+        "gpipe", "1f1b-three-stages-cpu-without-a-share", "fine-offloaded", "interleaved", "looped-fine", "zero-bubble-v",
+        "dualpipev-fine", "split-encoders-interleaved-zero-bubble",
+    ],
 )
 def test_a_pipelines_first_stage_takes_its_encoders_from_a_cpu_worker(tmp_path: Path, layout: dict) -> None:
     """The stage whose blocks hold a placed encoder answers each micro-batch with its rows of the
-    output the CPU worker computed for the pipeline's share, and sends their gradient back."""
+    output the CPU worker computed for the pipeline's share, and sends their gradient back; also with
+    several stages per process, where the process of the first stage hands the dict of inputs to it
+    alone (a multi-stage schedule gives it to all its stages)."""
     from tests.models import PipelinedMultimodal
 
+    if layout.get("schedule", "GPipe") not in ("GPipe", "1F1B", *available_schedules()):
+        pytest.skip(f"this torch has no {layout['schedule']}")
+
     assert_same_run(tmp_path, hetero(**layout), PipelinedMultimodal, multimodal_data, key="train_loss")
+
+
+def test_the_analyzer_weighs_whole_backward_schedules_for_a_pipeline_with_placed_encoders(tmp_path: Path) -> None:
+    """A placed encoder's output needs its gradient from the stage that takes it in: the analyzer
+    weighs GPipe, 1F1B and the multi-stage schedules whose backward is whole, and the run trains as one
+    process does."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+    from tests.models import PipelinedMultimodal
+
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path / "plan"))
+    strategy = hetero(encoders={"image": "cpu0"}, cpu_fraction=0.3)
+    assert_same_run(tmp_path, strategy, PipelinedMultimodal, multimodal_data, key="train_loss", callbacks=[analyzer])
+    explanation = (tmp_path / "plan" / "explain.txt").read_text()
+    table = explanation.split("each schedule weighed")[1].split("\n\n")[0].splitlines()[2:]
+    weighed = {line.split()[0] for line in table}
+    assert weighed == {"GPipe", "1F1B", *(n for n in available_schedules() if n in ("Interleaved1F1B", "LoopedBFS"))}
 
 
 def test_a_pipeline_places_encoders_on_cpu_workers_only(no_processes: None) -> None:

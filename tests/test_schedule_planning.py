@@ -191,7 +191,9 @@ def test_the_schedules_the_planner_weighs() -> None:
     assert schedule_candidates("auto", "auto", 1, 8) == [("GPipe", 1)]
     assert schedule_candidates("auto", "auto", 2, 8) == [("GPipe", 1), ("1F1B", 1), *multi]
     assert schedule_candidates("auto", "auto", 2, 5) == [("GPipe", 1), ("1F1B", 1), *[(n, k) for n, k in multi if k == 2]]
-    assert schedule_candidates("auto", "auto", 2, 8, multi_stage=False) == [("GPipe", 1), ("1F1B", 1)]
+    assert schedule_candidates("auto", "auto", 2, 8, multi_stage=[]) == [("GPipe", 1), ("1F1B", 1)]
+    loops = [n for n in ("Interleaved1F1B", "LoopedBFS") if n in AVAILABLE]
+    assert schedule_candidates("auto", 2, 2, 8, multi_stage=loops) == [(n, 2) for n in loops]
     assert schedule_candidates("auto", 3, 2, 8) == [(n, 3) for n, k in multi if k == 3]
     assert schedule_candidates("1F1B", "auto", 2, 8) == [("1F1B", 1)]
     if "Interleaved1F1B" in AVAILABLE:

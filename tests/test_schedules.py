@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hetero import HeteroStrategy
@@ -188,12 +189,32 @@ def test_a_model_with_fewer_blocks_than_stages_is_refused_before_any_process_sta
         trainer(strategy, max_steps=1).fit(Net(), regression_data())
 
 
-def test_placed_encoders_are_refused_with_several_stages_per_process(no_processes: None) -> None:
+def test_an_encoder_placed_for_a_later_stage_is_refused_with_a_split_backward(no_processes: None) -> None:
+    """A zero-bubble schedule's input pass gives a stage after the first no gradient for an encoder's
+    output it took in; in the first stage (whose backward is whole) or with a whole backward, it trains
+    (``tests/test_multimodal.py``)."""
     from tests.models import PipelinedMultimodal
 
-    strategy = HeteroStrategy(stages=["cpu", "cpu"], schedule="Interleaved1F1B", micro_batches=2, encoders={"image": "cpu0"})
-    with pytest.raises(ValueError, match="places encoders .* with a single-stage schedule"):
-        strategy.check_model(PipelinedMultimodal())
+    class LateEncoders(PipelinedMultimodal):
+        def __init__(self) -> None:
+            super().__init__()
+            self.before = nn.Identity()
+
+        def pipeline_layers(self) -> list:
+            return [self.before, self.fuse, *self.backbone]
+
+    def plan(schedule: str, boundaries: list[int]) -> HeteroPlan:
+        return HeteroPlan(
+            stages=["cpu", "cpu"], schedule=schedule, stages_per_process=2, boundaries=boundaries, micro_batches=4,
+            encoders={"image": "cpu0"}, parallelism="pipeline", cpu_fraction=0.3,
+        )  # fmt: skip
+
+    for schedule in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"):
+        if schedule in SCHEDULES:
+            with pytest.raises(ValueError, match=r"placed encoders \['image'\] in stage\(s\) after the first \(\[1\]\)"):
+                plan(schedule, [1, 2, 3]).place_blocks(LateEncoders())
+            plan(schedule, [2, 3, 4]).place_blocks(LateEncoders())  # the encoders in the first stage
+    plan("Interleaved1F1B", [1, 2, 3]).place_blocks(LateEncoders())
 
 
 def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:

@@ -36,6 +36,7 @@ from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loa
 from lightning_hetero.loading import tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
 from lightning_hetero.multimodal import carrying, offers_modalities
+from lightning_hetero.pipeline import MULTI_STAGE, ZERO_BUBBLE
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -215,7 +216,9 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            result = [(*self._plan(trainer, strategy, parts, batch_size, not strategy.plan.encoders), self.alternative, self.loading)]
+            # Zero-bubble schedules give no gradient to a placed encoder's output a later stage takes in.
+            multi_stage = [n for n in MULTI_STAGE if n not in ZERO_BUBBLE] if strategy.plan.encoders else None
+            result = [(*self._plan(trainer, strategy, parts, batch_size, multi_stage), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
         self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
@@ -391,12 +394,17 @@ class WorkloadAnalyzer(L.Callback):
         return links
 
     def _plan(
-        self, trainer: L.Trainer, strategy: "HeteroStrategy", parts: list[dict[str, Any]], batch_size: int, multi_stage: bool
+        self,
+        trainer: L.Trainer,
+        strategy: "HeteroStrategy",
+        parts: list[dict[str, Any]],
+        batch_size: int,
+        multi_stage: Optional[Sequence[str]],
     ) -> tuple[HeteroPlan, Prediction, Profile]:
         """Rank 0: assemble the profile, plan, and split the cores between loading and compute. The
         schedule and stages per process are the arguments', or where they leave them to the planner
-        (``"auto"``) its choice: single-stage schedules only, unless ``multi_stage`` (without placed
-        encoders, which several stages per process do not take)."""
+        (``"auto"``) its choice among GPipe, 1F1B and the multi-stage schedules ``multi_stage`` names
+        (None: every one this torch has)."""
         devices: dict[str, DeviceTimes] = {}
         links: dict[str, LinkProfile] = {}
         memory: dict[str, float] = {}
