@@ -68,6 +68,7 @@ class Role:
 
     @property
     def is_last_stage(self) -> bool:
+        """The last stage process (which holds the last stage unless a V-shaped schedule gives it to the first)."""
         return self.is_stage and self.index == self.num_stages - 1
 
     @property

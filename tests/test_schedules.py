@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.pipeline import V_SHAPED, available_schedules, holders, stages_of
 from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.profiling import Profile
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, TiedNet, regression_data
 from tests.test_replicas import assert_same_run
@@ -226,7 +227,7 @@ def _analyzed(tmp_path: Path, model: Net, **kwargs: Any) -> tuple[Net, HeteroPla
     from lightning_hetero.callbacks import WorkloadAnalyzer
 
     analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path))
-    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.5, **kwargs)
+    strategy = hetero(stages=["cpu", "cpu"], **{"cpu_fraction": 0.5, **kwargs})
     trainer(strategy, max_steps=STEPS, callbacks=[analyzer]).fit(model, regression_data())
     return model, HeteroPlan.load(tmp_path / "plan.yaml"), (tmp_path / "explain.txt").read_text()
 
@@ -246,6 +247,14 @@ def test_the_analyzer_plans_the_multi_stage_schedule_it_is_given(tmp_path: Path,
     assert len(plan.boundaries) == 2 * plan.stages_per_process - 1
     assert f"schedule Interleaved1F1B, {plan.stages_per_process} stages per process" in explanation
     assert _weighed(explanation) == [("Interleaved1F1B", 2), ("Interleaved1F1B", 3)]
+
+
+@pytest.mark.skipif("ZBVZeroBubble" not in SCHEDULES, reason="this torch lacks ZBVZeroBubble")
+def test_in_a_v_the_analyzer_times_the_replay_on_the_first_process(tmp_path: Path) -> None:
+    """The first process holds a V's last stage and replays the step method there: its warm-up gives the
+    step method's own work per sample (nothing is replayed on the last stage process)."""
+    _analyzed(tmp_path, Net().double(), schedule="ZBVZeroBubble", cpu_workers=0, cpu_fraction=0.0)
+    assert Profile.load(tmp_path / "profile.json").step_method_s_per_sample > 0
 
 
 def test_the_analyzer_chooses_the_schedule_left_to_it(tmp_path: Path, plain: Net) -> None:

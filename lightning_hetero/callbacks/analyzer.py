@@ -585,7 +585,9 @@ class WorkloadAnalyzer(L.Callback):
         records = [r for r in strategy.step_records if 1 <= r.step < self.warmup_steps]
         mine = [(r.data, r.wait, r.optimizer, r.total) for r in records]
         # The last stage's replay of the step method: what the profile cannot time beyond the loss.
-        replays = [(_replayed(r), r.samples) for r in records if strategy.role.is_last_stage and r.samples]
+        # (The process of the last stage: the last stage process, or in a V the first.)
+        holds_last = strategy.role.is_stage and strategy.plan.stage_holders()[-1] == strategy.role.index
+        replays = [(_replayed(r), r.samples) for r in records if holds_last and r.samples]
         role = profile_role(strategy.role)
         clip_waits = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm != "value"
         # A step queued on a GPU is not timed by the host's clock; fine mode's steps overlap the backward.
