@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero.pipeline import (
     V_SHAPED,
@@ -171,7 +172,8 @@ class Prediction:
     optimizer_s: float
     bubble: float
     memory: list[float]
-    """Bytes per stage: parameters, gradients, device optimizer state, activations in flight."""
+    """Bytes per stage process (per device for replicas): parameters, gradients, device optimizer state,
+    activations in flight."""
     cores_s: float = 0.0
     """The time the pipeline's and the CPU's shares take together on the cores they share
     (``share_cores``); the step's compute takes the longest of this, ``pipeline_s`` and ``cpu_s``."""
@@ -571,7 +573,11 @@ def schedule_candidates(
     one this torch has; ``stages_per_process="auto"``: 2, 3 and 4 in a loop, 2 in a V; a number: those
     that take it); a schedule by name, that one. None cuts the ``layers`` into more stages than it has."""
     if schedule != "auto":
-        names = [schedule_name(schedule)]
+        name = schedule_name(schedule)
+        if stages_per_process != "auto":
+            cls = schedule_class(name)
+            resolve_schedule(cls, processes, min_micro_batches(cls, processes, stages_per_process), stages_per_process)
+        names = [name]
     else:
         names = ["GPipe", "1F1B"] if processes > 1 else ["GPipe"]
         if processes > 1:
@@ -609,6 +615,8 @@ def plan_run(
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers), multi_stage)
     found = []
     for name, per in candidates:
+        if schedule == "auto" and not _readable(name, len(machine.stages), per):
+            continue
         layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches)
         if layout is not None:
             found.append((name, per, *layout))
@@ -627,6 +635,18 @@ def plan_run(
         boundaries=[start for start, _ in bounds[1:]], micro_batches=m, schedule=name, stages_per_process=per, offload=offload
     )
     return _plan_of(machine, "pipeline", mode, bucket_size_mb, 1 - pipeline_samples / batch_size, prediction, **layout), prediction
+
+
+def _readable(schedule: str, processes: int, per_process: int) -> bool:
+    """Whether this torch's ``schedule`` gives its order to ``schedule_actions``; where it does not (a
+    torch whose schedules read more of their stages), it is left out of the choice, with a warning."""
+    cls = schedule_class(schedule)
+    try:
+        schedule_actions(cls, processes, per_process, min_micro_batches(cls, processes, per_process))
+    except Exception as error:  # noqa: BLE001 - any failure to read the order only drops this candidate
+        rank_zero_warn(f"The planner leaves schedule {schedule!r} out: its order could not be read ({error!r}).")
+        return False
+    return True
 
 
 def _fastest(
@@ -651,9 +671,26 @@ def _fastest(
         for pipeline_samples in sorted({*shares, batch_size}):
             steps = m if pipeline_samples % m == 0 else largest_divisor_at_most(pipeline_samples, m)
             prediction = predict(profile, machine, bounds, batch_size, pipeline_samples, steps, mode, schedule)
+            # The cut fits at m micro-batches of batch_size / m; a share that splits into fewer, larger
+            # ones (or runs the schedule's fallback, which may hold more of them) must fit too.
+            if not _fits(profile, machine, bounds, prediction, mode, schedule):
+                continue
             if best is None or prediction.step_s < best[3].step_s - 1e-12:
                 best = (bounds, pipeline_samples, m, prediction)
     return best
+
+
+def _fits(
+    profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], prediction: Prediction, mode: str, schedule: str
+) -> bool:
+    """Whether every stage process's predicted bytes fit its memory; in fine mode a GPU stage's
+    optimizer state need not, as it may move to the CPU (``offload_plan``)."""
+    movable = [0.0] * len(machine.stages)
+    if mode == "fine":
+        for s, b in zip(_holders(len(machine.stages), len(bounds), schedule), bounds):
+            if machine.stage_names[s].startswith("cuda"):
+                movable[s] += profile.optimizer_state_factor * sum(profile.layers[i].param_bytes for i in range(*b))
+    return all(m is None or need - moved <= m for need, moved, m in zip(prediction.memory, movable, machine.memory))
 
 
 def _plan_of(

@@ -171,7 +171,7 @@ def test_the_pipeline_link_is_one_message_to_the_next_stage(tmp_path: Path, worl
     receives from the one before, at once, as a schedule's sends go; and what one action of a
     schedule costs on the path it waits on (a pipeline of a tiny layer per process)."""
     mp.start_processes(_send_along, args=(world, tmp_path), nprocs=world, start_method="fork")
-    assert all(float((tmp_path / f"ok{r}").read_text()) >= 0 for r in range(world))
+    assert all((tmp_path / f"ok{r}").exists() for r in range(world))  # each rank's checks passed
 
 
 def test_the_loss_is_profiled_and_costed_where_the_last_layer_is() -> None:

@@ -171,19 +171,51 @@ def test_sends_dearer_than_the_bubble_keep_one_stage_per_process() -> None:
     assert (plan.schedule, plan.stages_per_process) in (("GPipe", 1), ("1F1B", 1))
 
 
-def test_every_stage_process_fits_its_memory() -> None:
+@pytest.mark.parametrize("batch, limit", [(32, 40e6), (27, 60e6), (25, 50e6)])
+def test_every_stage_process_fits_its_memory(batch: int, limit: float) -> None:
     """Activations that fill a GPU: GPipe, which holds every micro-batch's, fits at no micro-batch
     count; the planner's choice fits each process's memory, its stages' together, as does every
-    schedule it weighed."""
+    schedule it weighed, also where the batch splits into fewer, larger micro-batches than planned
+    (27 samples in 8: 3 of 9; 25 in 7: 5 of 5), or runs the schedule's fallback (which may hold every
+    micro-batch)."""
     prof = profile([0.01] * 8, params=[1] * 8, stages=2, activation=1e6, cpu_slowdown=100.0)
-    tight = gpus(2, memory=[40e6] * 2)  # ten samples of a process's layers' activations; GPipe holds 32
-    plan, prediction = plan_run(prof, tight, 32, schedule="auto", max_micro_batches=8)
+    tight = gpus(2, memory=[limit] * 2)  # GPipe holds a whole batch's activations, 4e6 bytes a sample
+    plan, prediction = plan_run(prof, tight, batch, schedule="auto", max_micro_batches=8)
     assert "GPipe" not in [c.schedule for c in prediction.considered]
-    assert all(held <= limit for held, limit in zip(prediction.memory, tight.memory))
+    assert all(held <= limit for held in prediction.memory)
     for choice in prediction.considered:
-        assert all(held <= limit for held, limit in zip(choice.memory, tight.memory)), choice
+        assert all(held <= limit for held in choice.memory), choice
     with pytest.raises(ValueError, match="No layout fits"):
-        plan_run(prof, tight, 32, schedule="GPipe", max_micro_batches=8)
+        plan_run(prof, tight, batch, schedule="GPipe", max_micro_batches=8)
+
+
+def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() -> None:
+    with pytest.raises(ValueError, match="runs one stage per process"):
+        schedule_candidates("1F1B", 2, 2, 8)
+    if "ZBVZeroBubble" in AVAILABLE:
+        with pytest.raises(ValueError, match="two stages per process in a V"):
+            schedule_candidates("ZBVZeroBubble", 3, 2, 8)
+
+
+def test_a_schedule_whose_order_cannot_be_read_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose schedule reads more of its stages than the planner gives it: the planner warns and
+    weighs the others."""
+    if "Interleaved1F1B" not in AVAILABLE:
+        pytest.skip("this torch has no Interleaved1F1B")
+    from lightning_hetero import planner
+
+    real = planner.schedule_actions
+
+    def fussy(schedule, *args):
+        if schedule_class(schedule).__name__ == "ScheduleInterleaved1F1B":
+            raise AttributeError("'_OrderOnly' object has no attribute 'something_new'")
+        return real(schedule, *args)
+
+    monkeypatch.setattr(planner, "schedule_actions", fussy)
+    prof = profile([0.01] * 8, stages=2, cpu_slowdown=100.0)
+    with pytest.warns(UserWarning, match="leaves schedule 'Interleaved1F1B' out: its order could not be read"):
+        _, prediction = plan_run(prof, gpus(2), 16, schedule="auto", max_micro_batches=4)
+    assert "Interleaved1F1B" not in {c.schedule for c in prediction.considered} and len(prediction.considered) > 2
 
 
 def test_the_schedules_the_planner_weighs() -> None:
