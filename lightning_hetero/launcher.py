@@ -71,6 +71,15 @@ GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
 
 
+def _plans_the_cut(trainer: Optional["pl.Trainer"]) -> bool:
+    """Whether a ``WorkloadAnalyzer`` is to plan this fit's layout, the cut included, in the processes."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer  # the callbacks import the strategy's modules
+
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return False
+    return any(isinstance(callback, WorkloadAnalyzer) for callback in trainer.callbacks)
+
+
 def resolve_start_method(start_method: str) -> str:
     """``"auto"`` is ``"fork"`` in a notebook and ``"popen"`` otherwise; any other must exist here."""
     if start_method == "auto":
@@ -355,7 +364,7 @@ class HeteroLauncher(_Launcher):
             model = trainer.lightning_module
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
-            self._strategy.check_model(model)
+            self._strategy.check_model(model, cut_later=_plans_the_cut(trainer))
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
             check_before_launch(trainer, model, args, pairs=pipeline)

@@ -171,11 +171,12 @@ class RunLayout:
             self._encoder_pacing = EncoderPacing(module, "cpu" if self.role.is_cpu_worker else "device")
             self._encoder_pacing.set(self._emulated_speed)
 
-    def check_model(self, model: LightningModule) -> list[nn.Module]:
+    def check_model(self, model: LightningModule, cut_later: bool = False) -> list[nn.Module]:
         """The model's blocks, after checking the contract and that they fill the stages; decides
-        ``parallelism="auto"`` for the model."""
+        ``parallelism="auto"`` for the model. ``cut_later``: a planner is to choose the cut
+        (``plan_with``), and what depends on the cut is checked in the plan it gives."""
         self._plan = self._plan.for_model(model)
-        return self._plan.place_blocks(model)[0]
+        return self._plan.place_blocks(model, cut_later)[0]
 
     @property
     def topology(self) -> Topology:

@@ -191,11 +191,13 @@ class HeteroPlan:
 
         return processes(self) == processes(other)
 
-    def place_blocks(self, model: nn.Module) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+    def place_blocks(self, model: nn.Module, cut_later: bool = False) -> tuple[list[nn.Module], list[tuple[int, int]]]:
         """The model's blocks and each stage's ``[start, stop)`` of them, the contract checked. In a
         pipeline, ``pipeline_layers()`` cut where the plan cuts them, or balanced by parameter count;
         replicas hold all of the model's parameter blocks (``check_replica_contract``) in one piece.
-        Raises a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist."""
+        Raises a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist.
+        ``cut_later``: the cut is yet to be planned (``WorkloadAnalyzer``), and what depends on it only
+        is checked then."""
         replicas = self.for_model(model).parallelism == "replicas"
         check_encoder_placement(model, self.encoders, self.cpu_workers, len(self.stages), replicas)
         if replicas:
@@ -205,7 +207,8 @@ class HeteroPlan:
             layers = check_model_contract(model)
             count = len(self.stages) * self.stages_per_process
             bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, count)
-            self._check_split_backward(model, encoder_stages(model, self.encoders, layers, bounds))
+            if not cut_later:
+                self._check_split_backward(model, encoder_stages(model, self.encoders, layers, bounds))
         if not isinstance(self.offload, str) and self.offload:
             tied = [stages for stages, _ in tied_parameters(layers, bounds)]
             count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20), tied))

@@ -58,6 +58,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hetero.pipeline import (
     V_SHAPED,
+    ZERO_BUBBLE,
     Action,
     available_schedules,
     fallback,
@@ -309,12 +310,14 @@ def partition(
     schedule: str = "GPipe",
     offloadable: bool = False,
     stages_per_process: int = 1,
+    first_stage_layers: int = 0,
 ) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` cuts, one per stage (``stages_per_process`` per stage process, placed
     as the schedule places them), minimizing the slowest stage's time per micro-batch within each
     stage's memory (a process's divided evenly between its stages; the activations it holds as the
     schedule's order keeps them); with ``offloadable`` (fine mode), a GPU stage's optimizer state
-    need not fit, as it may move to the CPU. Raises ``ValueError`` when no cut fits."""
+    need not fit, as it may move to the CPU; the first stage holds at least the first
+    ``first_stage_layers`` layers. Raises ``ValueError`` when no cut fits."""
     owner = _holders(len(machine.stages), len(machine.stages) * stages_per_process, schedule)
     held = _held(schedule_actions(schedule, len(machine.stages), stages_per_process, micro_batches), len(owner))
     machine = _by_stage(machine, owner)
@@ -327,6 +330,11 @@ def partition(
     layers, stages = len(profile.layers), len(machine.stages)
     if stages > layers:
         raise ValueError(f"Cannot plan {stages} stages for {layers} layers: each stage needs at least one layer.")
+    if first_stage_layers > layers - stages + 1:
+        raise ValueError(
+            f"Cannot plan {stages} stages for {layers} layers with the first {first_stage_layers} in the first stage:"
+            " each other stage needs at least one layer."
+        )
     costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
     for i, layer in enumerate(profile.layers):
         alone = [need(s, range(i, i + 1), micro_batch) for s in range(stages)]
@@ -345,7 +353,7 @@ def partition(
         cost, memory = costs[k - 1], machine.memory[k - 1]
         in_flight = held[k - 1] * micro_batch
         local = k < stages and owner[k - 1] == owner[k]  # the next stage is on the same process: no send
-        for i in range(k, layers - (stages - k) + 1):
+        for i in range(max(k, first_stage_layers) if k == 1 else k, layers - (stages - k) + 1):
             for j in range(k - 1, i):
                 if best[k - 1][j] == inf:
                     continue
@@ -607,19 +615,34 @@ def plan_run(
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
     multi_stage: Optional[Sequence[str]] = None,
+    encoder_layers: int = 0,
 ) -> tuple[HeteroPlan, Prediction]:
     """The fastest layout the cost model finds for ``batch_size`` samples per step, with the schedule
     named, or (``schedule="auto"``) with the fastest of those ``schedule_candidates`` weighs: the cut,
     the micro-batches, the CPU's share, and in fine mode the offload set. The prediction lists the
-    fastest layout of every schedule weighed (``Prediction.considered``)."""
+    fastest layout of every schedule weighed (``Prediction.considered``).
+
+    ``encoder_layers``: the first layers up to the last that takes in the output of an encoder placed
+    on another process. A zero-bubble schedule's split backward gives a stage after the first no
+    gradient to send back for it, so with those schedules they stay in the first stage."""
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers), multi_stage)
     found = []
     for name, per in candidates:
         if schedule == "auto" and not _readable(name, len(machine.stages), per):
             continue
-        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches)
+        first = encoder_layers if name in ZERO_BUBBLE else 0
+        if first > len(profile.layers) - len(machine.stages) * per + 1:
+            continue  # the rest of the layers cannot fill the other stages
+        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches, first)
         if layout is not None:
             found.append((name, per, *layout))
+    if not found and encoder_layers and schedule != "auto" and schedule_name(schedule) in ZERO_BUBBLE:
+        raise ValueError(
+            f"Schedule {schedule!r} splits the backward, so the first {encoder_layers} layers (up to the last that"
+            " takes in a placed encoder's output) must stay in the first stage, and no cut that keeps them there"
+            " fits. Use a schedule with a whole backward ('Interleaved1F1B', 'LoopedBFS', 'GPipe', '1F1B'),"
+            " or leave the encoders 'split'."
+        )
     if not found:
         raise ValueError("No layout fits: every cut of the layers exceeds some stage's memory.")
     found.sort(key=lambda f: f[-1].step_s)  # stable: the simpler schedule where two tie
@@ -650,7 +673,14 @@ def _readable(schedule: str, processes: int, per_process: int) -> bool:
 
 
 def _fastest(
-    profile: Profile, machine: Machine, batch_size: int, mode: str, schedule: str, per_process: int, max_micro_batches: int
+    profile: Profile,
+    machine: Machine,
+    batch_size: int,
+    mode: str,
+    schedule: str,
+    per_process: int,
+    max_micro_batches: int,
+    first_stage_layers: int = 0,
 ) -> Optional[tuple[list[tuple[int, int]], int, int, Prediction]]:
     """With one schedule: (cut, the pipeline's samples, micro-batches, prediction) of the fastest
     layout whose stages fit their memory (``partition``: each stage its process's memory's even part,
@@ -663,7 +693,7 @@ def _fastest(
         if not takes(cls, processes, per_process, m):
             continue
         try:
-            bounds = partition(profile, machine, batch_size / m, m, schedule, mode == "fine", per_process)
+            bounds = partition(profile, machine, batch_size / m, m, schedule, mode == "fine", per_process, first_stage_layers)
         except ValueError:
             continue
         # The pipeline's share is a whole number of micro-batches; or the whole batch (an idle CPU).
@@ -744,12 +774,15 @@ def compare_layouts(
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
     multi_stage: Optional[Sequence[str]] = None,
+    encoder_layers: int = 0,
+    require: Optional[str] = None,
 ) -> dict[str, tuple[HeteroPlan, Prediction]]:
     """The best plan of each parallelism that fits, by name (``"pipeline"``: ``plan_run``;
-    ``"replicas"``: ``plan_replicas``), fastest first. Raises ``ValueError`` where neither fits."""
+    ``"replicas"``: ``plan_replicas``), fastest first. Raises ``ValueError`` where neither fits, or
+    where the parallelism ``require`` names does not (with its planner's reason)."""
     found: dict[str, tuple[HeteroPlan, Prediction]] = {}
     errors = []
-    pipeline = (schedule, max_micro_batches, bucket_size_mb, stages_per_process, multi_stage)
+    pipeline = (schedule, max_micro_batches, bucket_size_mb, stages_per_process, multi_stage, encoder_layers)
     for name, planner in (
         ("pipeline", lambda: plan_run(profile, machine, batch_size, mode, *pipeline)),
         ("replicas", lambda: plan_replicas(profile, machine, batch_size, mode, bucket_size_mb)),
@@ -757,6 +790,8 @@ def compare_layouts(
         try:
             found[name] = planner()
         except ValueError as error:
+            if name == require:
+                raise
             errors.append(str(error))
     if not found:
         raise ValueError(" ".join(errors))

@@ -320,13 +320,15 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""
         assert self._groups is not None
-        layers = self.check_model(module)
+        planned = self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING
+        layers = self.check_model(module, cut_later=planned)
         if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
             # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
             _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         self.model = self.precision_plugin.convert_module(module)
         self._pace_encoders(module)
-        if self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING:
+        if planned:
+            assert self._planner is not None
             self.apply_plan(self._planner(module.trainer, self, layers))
         engine = place_rank(
             module,

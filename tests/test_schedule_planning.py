@@ -189,6 +189,26 @@ def test_every_stage_process_fits_its_memory(batch: int, limit: float) -> None:
         plan_run(prof, tight, batch, schedule="GPipe", max_micro_batches=8)
 
 
+@pytest.mark.parametrize("schedule", [s for s in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV") if s in AVAILABLE])
+def test_a_zero_bubble_schedule_keeps_the_blocks_of_placed_encoders_in_its_first_stage(schedule: str) -> None:
+    """Its split backward gives a later stage no gradient to send back to a placed encoder: the first
+    stage keeps every layer up to the last that holds one, where the fastest cut alone would not; a
+    schedule with a whole backward cuts as it likes. Where the rest cannot fill the other stages, the
+    named schedule is refused with what to do."""
+    prof = profile([0.3] + [0.1] * 7, stages=2, cpu_slowdown=100.0)
+    free, _ = plan_run(prof, gpus(2), 16, schedule=schedule, max_micro_batches=4)
+    assert free.boundaries[0] == 1  # the heavy first layer alone: the fastest cut
+    kept, _ = plan_run(prof, gpus(2), 16, schedule=schedule, max_micro_batches=4, encoder_layers=3)
+    assert kept.boundaries[0] >= 3
+    if "Interleaved1F1B" in AVAILABLE:
+        whole, _ = plan_run(prof, gpus(2), 16, schedule="Interleaved1F1B", max_micro_batches=4, encoder_layers=3)
+        assert whole.boundaries[0] == 1
+    _, weighed = plan_run(prof, gpus(2), 16, schedule="auto", max_micro_batches=4, encoder_layers=3)
+    assert schedule in {c.schedule for c in weighed.considered}  # weighed, with its first stage kept
+    with pytest.raises(ValueError, match=r"the first 6 layers \(up to the last that takes in a placed encoder's"):
+        plan_run(prof, gpus(2), 16, schedule=schedule, max_micro_batches=4, encoder_layers=6)
+
+
 def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() -> None:
     with pytest.raises(ValueError, match="runs one stage per process"):
         schedule_candidates("1F1B", 2, 2, 8)

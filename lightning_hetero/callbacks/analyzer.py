@@ -14,7 +14,7 @@ import inspect
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -35,8 +35,7 @@ from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
 from lightning_hetero.loading import tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
-from lightning_hetero.multimodal import carrying, offers_modalities
-from lightning_hetero.pipeline import MULTI_STAGE, ZERO_BUBBLE
+from lightning_hetero.multimodal import carrying, encoder_stages, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -216,9 +215,8 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            # Zero-bubble schedules give no gradient to a placed encoder's output a later stage takes in.
-            multi_stage = [n for n in MULTI_STAGE if n not in ZERO_BUBBLE] if strategy.plan.encoders else None
-            result = [(*self._plan(trainer, strategy, parts, batch_size, multi_stage), self.alternative, self.loading)]
+            encoder_layers = _encoder_layers(module, strategy.plan.encoders, layers)
+            result = [(*self._plan(trainer, strategy, parts, batch_size, encoder_layers), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
         self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
@@ -399,12 +397,13 @@ class WorkloadAnalyzer(L.Callback):
         strategy: "HeteroStrategy",
         parts: list[dict[str, Any]],
         batch_size: int,
-        multi_stage: Optional[Sequence[str]],
+        encoder_layers: int,
     ) -> tuple[HeteroPlan, Prediction, Profile]:
         """Rank 0: assemble the profile, plan, and split the cores between loading and compute. The
         schedule and stages per process are the arguments', or where they leave them to the planner
-        (``"auto"``) its choice among GPipe, 1F1B and the multi-stage schedules ``multi_stage`` names
-        (None: every one this torch has)."""
+        (``"auto"``) its choice among GPipe, 1F1B and the multi-stage schedules this torch has; the
+        first ``encoder_layers`` layers stay in the first stage of a zero-bubble schedule
+        (``plan_run``)."""
         devices: dict[str, DeviceTimes] = {}
         links: dict[str, LinkProfile] = {}
         memory: dict[str, float] = {}
@@ -440,15 +439,12 @@ class WorkloadAnalyzer(L.Callback):
             max_micro_batches=self.max_micro_batches,
             bucket_size_mb=strategy.plan.bucket_size_mb,
             stages_per_process=stages_per_process,
-            multi_stage=multi_stage,
+            encoder_layers=encoder_layers,
+            # The run's processes and groups exist already, for its parallelism: the analyzer plans
+            # that, and weighs the other's best layout beside it (`explanation`, `plan_<other>.yaml`).
+            require=strategy.plan.parallelism,
         )
-        # The run's processes and groups exist already, for its parallelism: the analyzer plans
-        # that, and weighs the other's best layout beside it (`explanation`, `plan_<other>.yaml`).
-        running = strategy.plan.parallelism
-        if running not in layouts:
-            what = "the whole model" if running == "replicas" else "every cut of the layers"
-            raise ValueError(f"No layout of {running} fits: {what} exceeds some device's memory.")
-        plan, prediction = layouts.pop(running)
+        plan, prediction = layouts.pop(strategy.plan.parallelism)
         self.alternative = next(iter(layouts.values()), None)
         self.loading = self._measure_loading(trainer, strategy, plan, prediction, cores)
         if self.loading is not None:
@@ -695,6 +691,15 @@ class WorkloadAnalyzer(L.Callback):
         if trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+
+def _encoder_layers(module: nn.Module, placement: Mapping[str, str], layers: Sequence[nn.Module]) -> int:
+    """How many of the first layers hold the encoders placed on another process (0: none placed):
+    the blocks a zero-bubble schedule keeps in its first stage (``planner.plan_run``)."""
+    if not placement:
+        return 0
+    each = encoder_stages(module, placement, layers, [(i, i + 1) for i in range(len(layers))], strict=False)
+    return max(each.values()) + 1 if each else 0
 
 
 def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: int, mix_batches: int = 8) -> EncoderProfile:
