@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -232,9 +232,12 @@ class StageCosts:
         return self.times.layer_time(layers, samples) / self.speed
 
 
-def _stage_memory(profile: Profile, layers: range, in_flight_samples: float, offloaded_params: int = 0) -> float:
-    params = sum(profile.layers[i].param_bytes for i in layers)
-    per_param = params / max(1, sum(profile.layers[i].params for i in layers))
+def _stage_memory(profile: Profile, layers: Iterable[int], in_flight_samples: float, offloaded_params: int = 0) -> float:
+    """Bytes a process holding ``layers`` needs: weights, gradients and optimizer state (a tied weight
+    once), and the activations of ``in_flight_samples`` samples."""
+    layers = list(layers)
+    count, params = profile.held(layers)
+    per_param = params / max(1, count)
     state = profile.optimizer_state_factor * (params - offloaded_params * per_param)
     activations = sum(profile.layers[i].activation_bytes for i in layers) * in_flight_samples
     return 2 * params + state + activations
@@ -324,7 +327,7 @@ def partition(
 
     def need(stage: int, span: range, samples: float) -> float:
         offload = offloadable and machine.stage_names[stage].startswith("cuda")
-        movable = sum(profile.layers[i].params for i in span) if offload else 0
+        movable = profile.held(span)[0] if offload else 0
         return _stage_memory(profile, span, samples, movable)
 
     layers, stages = len(profile.layers), len(machine.stages)
@@ -717,10 +720,19 @@ def _fits(
     optimizer state need not, as it may move to the CPU (``offload_plan``)."""
     movable = [0.0] * len(machine.stages)
     if mode == "fine":
-        for s, b in zip(_holders(len(machine.stages), len(bounds), schedule), bounds):
-            if machine.stage_names[s].startswith("cuda"):
-                movable[s] += profile.optimizer_state_factor * sum(profile.layers[i].param_bytes for i in range(*b))
+        held = _process_layers(bounds, _holders(len(machine.stages), len(bounds), schedule))
+        for process, layers in enumerate(held):
+            if machine.stage_names[process].startswith("cuda"):
+                movable[process] = profile.optimizer_state_factor * profile.held(layers)[1]
     return all(m is None or need - moved <= m for need, moved, m in zip(prediction.memory, movable, machine.memory))
+
+
+def _process_layers(bounds: Sequence[tuple[int, int]], owner: Sequence[int]) -> list[list[int]]:
+    """Each stage process's layers: those of every stage it holds (``owner``: each stage's process)."""
+    held: list[list[int]] = [[] for _ in range(max(owner) + 1)]
+    for stage, (start, stop) in enumerate(bounds):
+        held[owner[stage]] += range(start, stop)
+    return held
 
 
 def _plan_of(
@@ -847,8 +859,7 @@ def predict_replicas(
     devices = [cost.micro_batch(everything, n) + profile.step_method_s_per_sample * n if n else 0.0 for cost, n in zip(costs, parts)]
     workers = machine.cpu_workers if share else 0
     cpu = _cpu_share_time(profile, machine, cpu_samples) if share else 0.0
-    params = sum(layer.params for layer in profile.layers)
-    model_bytes = sum(layer.param_bytes for layer in profile.layers)
+    params, model_bytes = profile.held(everything)
     # Every device replica sums (and steps), with a share or not; a CPU worker only with one.
     sync = machine.sync.time(model_bytes) if count + workers > 1 else 0.0
     cores = share_cores([[Task(t)] for t in devices] + [[Task(cpu)]] * workers, threads, capacity)
@@ -950,10 +961,9 @@ def predict(
     machine, threads, capacity = _layout(profile, machine, share)
     staged = _by_stage(machine, owner)
     cpu = _cpu_share_time(profile, machine, cpu_samples) if share else 0.0
-    stage_bytes = [sum(profile.layers[i].param_bytes for i in range(*b)) for b in bounds]
-    process_params = [0] * processes
-    for s, b in enumerate(bounds):
-        process_params[owner[s]] += sum(profile.layers[i].params for i in range(*b))
+    stage_bytes = [profile.held(range(*b))[1] for b in bounds]
+    layers_of = _process_layers(bounds, owner)
+    process_params = [profile.held(layers)[0] for layers in layers_of]
     # An idle CPU worker (no share) keeps out of the sum; with a share, it sums with every stage.
     sync = sum(machine.sync.time(n) for n in stage_bytes) if share else 0.0
     workers = machine.cpu_workers if share else 0
@@ -961,7 +971,7 @@ def predict(
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
     pipe, bubble = _played_alone(tasks, owner[-1])
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
-    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, sum(process_params), workers, threads, capacity)
+    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, profile.held(range(len(profile.layers)))[0], workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
@@ -974,7 +984,7 @@ def predict(
     if pipeline_samples:
         activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * u for b in bounds]
         held = _activation_peaks(schedule_actions(schedule, processes, per_process, micro_batches), activations)
-    memory = [held[r] + sum(_stage_memory(profile, range(*bounds[s]), 0.0) for s in range(len(bounds)) if owner[s] == r) for r in range(processes)]
+    memory = [held[r] + _stage_memory(profile, layers_of[r], 0.0) for r in range(processes)]
     return Prediction(
         step_s=max(pipe, cpu, cores) + tail + profile.step_overhead_s,
         pipeline_s=pipe,

@@ -17,7 +17,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,11 +33,13 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
-from lightning_hetero.module import run_layers
+from lightning_hetero.module import run_layers, tied_parameters
 from lightning_hetero.shares import batch_size_of, slice_batch
 
 __all__ = [
     "LayerProfile",
+    "TiedProfile",
+    "tied_layers",
     "DeviceTimes",
     "LinkProfile",
     "Profile",
@@ -146,6 +148,24 @@ class LinkProfile:
 
 
 @dataclass
+class TiedProfile:
+    """Parameters that several layers use (tied weights): each of ``layers`` counts them in its
+    ``LayerProfile``, and a process holding several of those layers holds them once."""
+
+    layers: list[int]
+    params: int
+    param_bytes: int
+
+
+def tied_layers(layers: Sequence[nn.Module]) -> list[TiedProfile]:
+    """The tied weights of a model's blocks, by the blocks that use them."""
+    return [
+        TiedProfile(list(using), sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params))
+        for using, params in tied_parameters(layers, [(i, i + 1) for i in range(len(layers))])
+    ]
+
+
+@dataclass
 class Profile:
     """Everything the planner needs to know about a workload on a machine."""
 
@@ -177,6 +197,21 @@ class Profile:
     emulated stages alone (layouts without). Absent: as many as the cores."""
     numa_nodes: list[list[int]] = field(default_factory=list)
     """The cores of each NUMA node this process may use (``numa.py``); empty: not recorded."""
+    tied: list[TiedProfile] = field(default_factory=list)
+    """The weights several layers use (``tied_layers``); each of those layers counts them."""
+
+    def held(self, layers: Iterable[int]) -> tuple[int, int]:
+        """The parameters, and their bytes, that a process holding ``layers`` holds: a tied weight
+        once, however many of its layers it holds."""
+        layers = set(layers)
+        params = sum(self.layers[i].params for i in layers)
+        nbytes = sum(self.layers[i].param_bytes for i in layers)
+        for tied in self.tied:
+            extra = len(layers.intersection(tied.layers)) - 1
+            if extra > 0:
+                params -= extra * tied.params
+                nbytes -= extra * tied.param_bytes
+        return params, nbytes
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the profile as JSON, whole or not at all (``atomic_write``)."""
@@ -217,6 +252,7 @@ class Profile:
             step_method_s_per_sample=raw.get("step_method_s_per_sample", 0.0),
             shared_cores=raw.get("shared_cores", {}),
             numa_nodes=raw.get("numa_nodes", []),
+            tied=[TiedProfile(**t) for t in raw.get("tied", [])],
         )
 
 

@@ -19,9 +19,10 @@ from lightning_hetero.planner import (
     plan_run,
     predict,
     predict_plan,
+    predict_replicas,
     schedule_candidates,
 )
-from lightning_hetero.profiling import LinkProfile
+from lightning_hetero.profiling import LinkProfile, Profile, TiedProfile
 from tests.test_planner import machine, profile
 
 
@@ -207,6 +208,28 @@ def test_a_zero_bubble_schedule_keeps_the_blocks_of_placed_encoders_in_its_first
     assert schedule in {c.schedule for c in weighed.considered}  # weighed, with its first stage kept
     with pytest.raises(ValueError, match=r"the first 6 layers \(up to the last that takes in a placed encoder's"):
         plan_run(prof, gpus(2), 16, schedule=schedule, max_micro_batches=4, encoder_layers=6)
+
+
+def test_a_tied_weight_counts_once_where_one_process_holds_every_use(tmp_path: Path) -> None:
+    """The first and the last layer share 500 of their parameters: a process holding both (the one
+    stage of replicas; the first process of a V) holds them once, weights, gradients and optimizer
+    state; processes holding one use each hold a copy each."""
+    untied = profile([0.01] * 4, params=[1000] * 4, stages=2)
+    tied = profile([0.01] * 4, params=[1000] * 4, stages=2)
+    tied.tied = [TiedProfile(layers=[0, 3], params=500, param_bytes=2000)]
+    assert tied.held(range(4)) == (3500, 14000) and tied.held([0, 1]) == (2000, 8000)
+    assert Profile.load(tied.save(tmp_path / "profile.json")).tied == tied.tied
+    once = (2 + tied.optimizer_state_factor) * 2000  # weights, gradients and state of the shared part
+
+    def memory(prof: Profile, bounds: list, schedule: str) -> list[float]:
+        return predict(prof, gpus(2), bounds, 16, 16, 4, schedule=schedule).memory
+
+    whole = [predict_replicas(p, gpus(2), 16, 16).memory[0] for p in (untied, tied)]
+    assert whole[0] - whole[1] == pytest.approx(once)
+    assert memory(untied, even(4, 2), "1F1B") == memory(tied, even(4, 2), "1F1B")  # a copy on each process
+    if "ZBVZeroBubble" in AVAILABLE:
+        v = [memory(p, even(4, 4), "ZBVZeroBubble") for p in (untied, tied)]
+        assert v[0][0] - v[1][0] == pytest.approx(once) and v[0][1] == v[1][1]
 
 
 def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() -> None:

@@ -276,6 +276,10 @@ def test_the_analyzer_weighs_several_stages_per_process_for_tied_weights(tmp_pat
     model, _, explanation = _analyzed(tmp_path, TiedNet().double())
     assert ("ZBVZeroBubble", 2) in _weighed(explanation) or "ZBVZeroBubble" not in SCHEDULES
     assert max_param_diff(reference, model) < TOL
+    profile = Profile.load(tmp_path / "profile.json")  # the planner counts the shared weight once where one process holds both uses
+    shared = reference.layers[0].weight
+    assert [(t.layers, t.params, t.param_bytes) for t in profile.tied] == [([0, 4], shared.numel(), shared.numel() * 8)]
+    assert profile.held(range(len(profile.layers)))[0] == sum(p.numel() for p in reference.parameters())
 
 
 def test_a_schedule_left_to_the_planner_is_gpipe_without_one() -> None:

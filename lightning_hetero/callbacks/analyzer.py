@@ -50,6 +50,7 @@ from lightning_hetero.profiling import (
     DeviceTimes,
     LinkProfile,
     Profile,
+    TiedProfile,
     all_reduce_over,
     send_along,
     gradient_sum_over,
@@ -57,6 +58,7 @@ from lightning_hetero.profiling import (
     optimizer_state_factor,
     profile_layers,
     step_work,
+    tied_layers,
     time_encoders,
     time_link,
     time_optimizer,
@@ -216,7 +218,8 @@ class WorkloadAnalyzer(L.Callback):
         if strategy.global_rank == 0:
             assert parts is not None
             encoder_layers = _encoder_layers(module, strategy.plan.encoders, layers)
-            result = [(*self._plan(trainer, strategy, parts, batch_size, encoder_layers), self.alternative, self.loading)]
+            tied = tied_layers(layers)
+            result = [(*self._plan(trainer, strategy, parts, batch_size, encoder_layers, tied), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
         self.plan, self.prediction, self.profile, self.alternative, self.loading = result[0]
         return self.plan
@@ -398,6 +401,7 @@ class WorkloadAnalyzer(L.Callback):
         parts: list[dict[str, Any]],
         batch_size: int,
         encoder_layers: int,
+        tied: list[TiedProfile],
     ) -> tuple[HeteroPlan, Prediction, Profile]:
         """Rank 0: assemble the profile, plan, and split the cores between loading and compute. The
         schedule and stages per process are the arguments', or where they leave them to the planner
@@ -428,6 +432,7 @@ class WorkloadAnalyzer(L.Callback):
             step_overhead_s=max(part["exchange_s"] for part in parts),
             shared_cores=_shared_cores(parts, cores),
             numa_nodes=[list(node.cpus) for node in numa_nodes(affinity=affinity)],
+            tied=tied,
         )
         schedule, stages_per_process = strategy.schedule_request
         layouts = compare_layouts(
