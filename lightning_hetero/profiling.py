@@ -203,7 +203,7 @@ class Profile:
     def held(self, layers: Iterable[int]) -> tuple[int, int]:
         """The parameters, and their bytes, that a process holding ``layers`` holds: a tied weight
         once, however many of its layers it holds."""
-        layers = set(layers)
+        layers = set(layers) if self.tied else list(layers)
         params = sum(self.layers[i].params for i in layers)
         nbytes = sum(self.layers[i].param_bytes for i in layers)
         for tied in self.tied:
