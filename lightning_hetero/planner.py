@@ -238,7 +238,8 @@ def _stage_memory(profile: Profile, layers: Iterable[int], in_flight_samples: fl
     layers = list(layers)
     count, params = profile.held(layers)
     per_param = params / max(1, count)
-    state = profile.optimizer_state_factor * (params - offloaded_params * per_param)
+    # Offloaded buckets count a tied weight in each of its layers: never more than the stage holds.
+    state = profile.optimizer_state_factor * (params - min(offloaded_params, count) * per_param)
     activations = sum(profile.layers[i].activation_bytes for i in layers) * in_flight_samples
     return 2 * params + state + activations
 
@@ -630,16 +631,18 @@ def plan_run(
     gradient to send back for it, so with those schedules they stay in the first stage."""
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers), multi_stage)
     found = []
+    kept_out = False  # a zero-bubble schedule that fits only where the encoders' blocks may leave its first stage
     for name, per in candidates:
         if schedule == "auto" and not _readable(name, len(machine.stages), per):
             continue
         first = encoder_layers if name in ZERO_BUBBLE else 0
-        if first > len(profile.layers) - len(machine.stages) * per + 1:
-            continue  # the rest of the layers cannot fill the other stages
-        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches, first)
+        fits = first <= len(profile.layers) - len(machine.stages) * per + 1  # the rest can fill the other stages
+        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches, first) if fits else None
         if layout is not None:
             found.append((name, per, *layout))
-    if not found and encoder_layers and schedule != "auto" and schedule_name(schedule) in ZERO_BUBBLE:
+        elif first and _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches) is not None:
+            kept_out = True
+    if not found and kept_out:
         raise ValueError(
             f"Schedule {schedule!r} splits the backward, so the first {encoder_layers} layers (up to the last that"
             " takes in a placed encoder's output) must stay in the first stage, and no cut that keeps them there"

@@ -274,6 +274,19 @@ def test_the_analyzer_keeps_a_placed_encoders_block_in_a_zero_bubble_schedules_f
     assert plan.schedule == "ZBVZeroBubble" and plan.boundaries[0] >= 2
 
 
+@pytest.mark.skipif("ZBVZeroBubble" not in available_schedules(), reason="this torch has no ZBVZeroBubble")
+def test_the_analyzer_keeps_every_encoders_block_first_where_it_places_the_encoders_after_the_cut(tmp_path: Path) -> None:
+    """One stage process holding a V's two stages: the analyzer places the encoders after it cuts the
+    model, so the cut keeps every encoder's block in the first stage, wherever they go."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=2, measure_steps=1, save_dir=str(tmp_path / "plan"))
+    strategy = hetero(stages=["cpu"], cpu_fraction=0.3, schedule="ZBVZeroBubble")
+    assert_same_run(tmp_path, strategy, HeavyFirstBlock, multimodal_data, key="train_loss", callbacks=[analyzer])
+    plan = HeteroPlan.load(tmp_path / "plan" / "plan.yaml")
+    assert plan.schedule == "ZBVZeroBubble" and plan.boundaries == [2]  # left to itself: [1]
+
+
 def test_a_pipeline_places_encoders_on_cpu_workers_only(no_processes: None) -> None:
     from tests.models import PipelinedMultimodal
 

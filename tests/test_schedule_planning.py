@@ -21,6 +21,7 @@ from lightning_hetero.planner import (
     predict_plan,
     predict_replicas,
     schedule_candidates,
+    _stage_memory,
 )
 from lightning_hetero.profiling import LinkProfile, Profile, TiedProfile
 from tests.test_planner import machine, profile
@@ -204,10 +205,16 @@ def test_a_zero_bubble_schedule_keeps_the_blocks_of_placed_encoders_in_its_first
     if "Interleaved1F1B" in AVAILABLE:
         whole, _ = plan_run(prof, gpus(2), 16, schedule="Interleaved1F1B", max_micro_batches=4, encoder_layers=3)
         assert whole.boundaries[0] == 1
+    _, free = plan_run(prof, gpus(2), 16, schedule="auto", max_micro_batches=4)
     _, weighed = plan_run(prof, gpus(2), 16, schedule="auto", max_micro_batches=4, encoder_layers=3)
-    assert schedule in {c.schedule for c in weighed.considered}  # weighed, with its first stage kept
+    step = {c.schedule: c.step_s for c in free.considered}
+    kept = {c.schedule: c.step_s for c in weighed.considered}
+    assert kept[schedule] > step[schedule]  # weighed, with its first stage kept: slower than the free cut
     with pytest.raises(ValueError, match=r"the first 6 layers \(up to the last that takes in a placed encoder's"):
         plan_run(prof, gpus(2), 16, schedule=schedule, max_micro_batches=4, encoder_layers=6)
+    tight = profile([0.01] * 8, params=[1] * 8, stages=2, activation=1e6)
+    with pytest.raises(ValueError, match="No layout fits"):  # memory, whatever the encoders
+        plan_run(tight, gpus(2, memory=[1.0, 1.0]), 16, schedule=schedule, max_micro_batches=4, encoder_layers=2)
 
 
 def test_a_tied_weight_counts_once_where_one_process_holds_every_use(tmp_path: Path) -> None:
@@ -230,6 +237,9 @@ def test_a_tied_weight_counts_once_where_one_process_holds_every_use(tmp_path: P
     if "ZBVZeroBubble" in AVAILABLE:
         v = [memory(p, even(4, 4), "ZBVZeroBubble") for p in (untied, tied)]
         assert v[0][0] - v[1][0] == pytest.approx(once) and v[0][1] == v[1][1]
+    # Offloading a bucket frees its optimizer state; buckets count the shared part in each of its
+    # layers, but what is freed is never more than the stage holds.
+    assert _stage_memory(tied, range(4), 0.0, offloaded_params=4000) == pytest.approx(2 * tied.held(range(4))[1])
 
 
 def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() -> None:

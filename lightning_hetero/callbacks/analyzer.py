@@ -35,7 +35,7 @@ from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
 from lightning_hetero.loading import tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
-from lightning_hetero.multimodal import carrying, encoder_stages, offers_modalities
+from lightning_hetero.multimodal import carrying, encoder_stages, modality_encoders, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -182,7 +182,7 @@ class WorkloadAnalyzer(L.Callback):
             # What the planner does not choose stays as the run has it: the encoders' places (next),
             # the CPU workers' cores and their split optimizer.
             kept = {name: getattr(strategy.plan, name) for name in KEPT_FROM_THE_RUN}
-            plan = replace(self.plan_layout(trainer, strategy, layers), **kept)
+            plan = replace(self.plan_layout(trainer, strategy, layers, places_encoders=encoders), **kept)
         else:
             self.prediction = self.profile = self.measured_step_s = None
             self._planned, plan = True, strategy.plan
@@ -200,8 +200,12 @@ class WorkloadAnalyzer(L.Callback):
         self.placement = (profile, samples, best_placement(profile.costs(), samples, profile.carrying))
         return replace(plan, encoders=self.placement[2].placement)
 
-    def plan_layout(self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module]) -> HeteroPlan:
-        """Profile on every rank, plan on rank 0, and return the plan on every rank (collective)."""
+    def plan_layout(
+        self, trainer: L.Trainer, strategy: "HeteroStrategy", layers: list[nn.Module], places_encoders: bool = False
+    ) -> HeteroPlan:
+        """Profile on every rank, plan on rank 0, and return the plan on every rank (collective).
+        ``places_encoders``: the encoders are placed after the cut (``place_encoders``), so a
+        zero-bubble schedule's first stage keeps every encoder's block, wherever it goes."""
         log.debug("WorkloadAnalyzer: profiling %d blocks on %s", len(layers), strategy.rank_name(strategy.local_rank))
         self.prediction = self.profile = self.measured_step_s = None
         self._calibrated, self._steps, self._planned = False, [], True
@@ -217,7 +221,8 @@ class WorkloadAnalyzer(L.Callback):
         result: list[Any] = [None]
         if strategy.global_rank == 0:
             assert parts is not None
-            encoder_layers = _encoder_layers(module, strategy.plan.encoders, layers)
+            placed = dict.fromkeys(modality_encoders(module), "") if places_encoders else strategy.plan.encoders
+            encoder_layers = _encoder_layers(module, placed, layers)
             tied = tied_layers(layers)
             result = [(*self._plan(trainer, strategy, parts, batch_size, encoder_layers, tied), self.alternative, self.loading)]
         dist.broadcast_object_list(result, src=0, group=control)
