@@ -1293,6 +1293,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default="pipeline",
         help="what the GPUs hold: pipeline stages, whole replicas, or whichever is predicted faster (auto)",
     )
+    parser.add_argument(
+        "--encoder-layers",
+        type=int,
+        default=0,
+        help="a zero-bubble schedule keeps this many first blocks in its first stage: up to the last that holds an"
+        " encoder placed on another process (HeteroStrategy(encoders=...)), whose split backward a later stage"
+        " could not give a gradient",
+    )
     parser.add_argument("--max-micro-batches", type=int, default=8)
     parser.add_argument("--bucket-size-mb", type=float, default=25.0)
     parser.add_argument("--save", default=None, help="write the plan here (YAML), to replay with HeteroStrategy(plan=...)")
@@ -1326,7 +1334,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
         batch_size = args.batch_size or profile.batch_size
         layouts = compare_layouts(
-            profile, machine, batch_size, args.mode, args.schedule, args.max_micro_batches, args.bucket_size_mb, per_process
+            profile,
+            machine,
+            batch_size,
+            args.mode,
+            args.schedule,
+            args.max_micro_batches,
+            args.bucket_size_mb,
+            per_process,
+            encoder_layers=args.encoder_layers,
         )
         chosen = next(iter(layouts)) if args.parallelism == "auto" else args.parallelism
         if chosen not in layouts:

@@ -311,6 +311,10 @@ def test_hetero_plan_chooses_the_schedule_or_plans_the_one_named(tmp_path: Path,
         saved = HeteroPlan.load(tmp_path / "p.yaml")
         assert (saved.schedule, saved.stages_per_process, len(saved.boundaries)) == ("Interleaved1F1B", 4, 7)
     if "ZBVZeroBubble" in AVAILABLE:
+        heavy = profile([0.3] + [0.1] * 7, stages=1, cpu_slowdown=100.0).save(tmp_path / "heavy.json")
+        for kept, first in (([], 1), (["--encoder-layers", "3"], 3)):
+            planner_main([str(heavy), "--gpus", "2", "--schedule", "ZBVZeroBubble", *kept, "--save", str(tmp_path / "v.yaml")])
+            assert HeteroPlan.load(tmp_path / "v.yaml").boundaries[0] == first
         with pytest.raises(SystemExit):
             planner_main([str(path), "--gpus", "2", "--schedule", "ZBVZeroBubble", "--stages-per-process", "3"])
         assert "two stages per process in a V" in capsys.readouterr().err
