@@ -618,7 +618,6 @@ def plan_run(
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
-    multi_stage: Optional[Sequence[str]] = None,
     encoder_layers: int = 0,
 ) -> tuple[HeteroPlan, Prediction]:
     """The fastest layout the cost model finds for ``batch_size`` samples per step, with the schedule
@@ -629,15 +628,14 @@ def plan_run(
     ``encoder_layers``: the first layers up to the last that takes in the output of an encoder placed
     on another process. A zero-bubble schedule's split backward gives a stage after the first no
     gradient to send back for it, so with those schedules they stay in the first stage."""
-    candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers), multi_stage)
+    candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers))
     found = []
     kept_out = False  # a zero-bubble schedule that fits only where the encoders' blocks may leave its first stage
     for name, per in candidates:
         if schedule == "auto" and not _readable(name, len(machine.stages), per):
             continue
         first = encoder_layers if name in ZERO_BUBBLE else 0
-        fits = first <= len(profile.layers) - len(machine.stages) * per + 1  # the rest can fill the other stages
-        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches, first) if fits else None
+        layout = _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches, first)
         if layout is not None:
             found.append((name, per, *layout))
         elif first and _fastest(profile, machine, batch_size, mode, name, per, max_micro_batches) is not None:
@@ -788,7 +786,6 @@ def compare_layouts(
     max_micro_batches: int = 8,
     bucket_size_mb: float = 25.0,
     stages_per_process: Any = "auto",
-    multi_stage: Optional[Sequence[str]] = None,
     encoder_layers: int = 0,
     require: Optional[str] = None,
 ) -> dict[str, tuple[HeteroPlan, Prediction]]:
@@ -797,7 +794,7 @@ def compare_layouts(
     where the parallelism ``require`` names does not (with its planner's reason)."""
     found: dict[str, tuple[HeteroPlan, Prediction]] = {}
     errors = []
-    pipeline = (schedule, max_micro_batches, bucket_size_mb, stages_per_process, multi_stage, encoder_layers)
+    pipeline = (schedule, max_micro_batches, bucket_size_mb, stages_per_process, encoder_layers)
     for name, planner in (
         ("pipeline", lambda: plan_run(profile, machine, batch_size, mode, *pipeline)),
         ("replicas", lambda: plan_replicas(profile, machine, batch_size, mode, bucket_size_mb)),
@@ -974,7 +971,8 @@ def predict(
     tasks = pipeline_tasks(profile, machine, bounds, pipeline_samples, micro_batches, schedule)
     pipe, bubble = _played_alone(tasks, owner[-1])
     cores = share_cores(tasks + [[Task(cpu)]] * workers, threads, capacity)
-    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, profile.held(range(len(profile.layers)))[0], workers, threads, capacity)
+    whole_model = profile.held(range(len(profile.layers)))[0]  # what each CPU worker steps
+    optimizer, optimizer_by_role = _optimizer_steps(profile, machine, process_params, whole_model, workers, threads, capacity)
     tail = sync + optimizer
     if mode == "fine" and pipeline_samples:
         # Hidden behind the last micro-batch's backward on the stages (all but the first bucket's part).
