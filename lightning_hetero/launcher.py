@@ -71,13 +71,14 @@ GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
 
 
-def _plans_the_cut(trainer: Optional["pl.Trainer"]) -> bool:
-    """Whether a ``WorkloadAnalyzer`` is to plan this fit's layout, the cut included, in the processes."""
+def _plans_the_cut(trainer: Optional["pl.Trainer"], strategy: "HeteroStrategy") -> bool:
+    """Whether a planner is to give this fit's layout, the cut included, in the processes: one given to
+    ``plan_with`` already, or a ``WorkloadAnalyzer``, which registers itself there from its ``setup``."""
     from lightning_hetero.callbacks import WorkloadAnalyzer  # the callbacks import the strategy's modules
 
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return False
-    return any(isinstance(callback, WorkloadAnalyzer) for callback in trainer.callbacks)
+    return strategy._planner is not None or any(isinstance(cb, WorkloadAnalyzer) for cb in trainer.callbacks)
 
 
 def resolve_start_method(start_method: str) -> str:
@@ -364,7 +365,7 @@ class HeteroLauncher(_Launcher):
             model = trainer.lightning_module
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
-            self._strategy.check_model(model, cut_later=_plans_the_cut(trainer))
+            self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
             check_before_launch(trainer, model, args, pairs=pipeline)

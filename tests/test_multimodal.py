@@ -287,6 +287,26 @@ def test_the_analyzer_keeps_every_encoders_block_first_where_it_places_the_encod
     assert plan.schedule == "ZBVZeroBubble" and plan.boundaries == [2]  # left to itself: [1]
 
 
+@pytest.mark.skipif("ZBVZeroBubble" not in available_schedules(), reason="this torch has no ZBVZeroBubble")
+def test_a_planner_given_before_fit_gives_the_cut_the_launcher_would_refuse(tmp_path: Path) -> None:
+    """The plan's cut puts the encoders' block in ZBVZeroBubble's second stage, which the launcher refuses
+    before any process starts; a planner given to ``plan_with`` before ``fit`` cuts it again in the
+    processes, so the launcher leaves the cut to it, and its plan trains as one process does."""
+    from dataclasses import replace
+
+    from tests.conftest import TIMEOUT
+
+    plan = HeteroPlan(
+        stages=["cpu", "cpu"], cpu_fraction=0.3, encoders={"image": "cpu0"}, schedule="ZBVZeroBubble",
+        stages_per_process=2, micro_batches=2, boundaries=[1, 2, 3], parallelism="pipeline",
+    )
+    with pytest.raises(ValueError, match="splits the backward"):
+        trainer(HeteroStrategy(plan=plan, start_method="fork"), max_steps=1).fit(HeavyFirstBlock(), multimodal_data())
+    strategy = HeteroStrategy(plan=plan, start_method="fork", timeout=TIMEOUT)
+    strategy.plan_with(lambda trainer, strategy, blocks: replace(strategy.plan, boundaries=[2, 3, 4]))
+    assert_same_run(tmp_path, strategy, HeavyFirstBlock, multimodal_data, key="train_loss")
+
+
 def test_a_pipeline_places_encoders_on_cpu_workers_only(no_processes: None) -> None:
     from tests.models import PipelinedMultimodal
 
