@@ -50,6 +50,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -260,12 +261,13 @@ def _holders(processes: int, stages: int, schedule: str) -> list[int]:
     return holders(processes, stages // processes, _v_shaped(schedule))
 
 
-def _by_stage(machine: Machine, owner: Sequence[int]) -> Machine:
+def _by_stage(machine: Machine, owner: Sequence[int], split_memory: bool = True) -> Machine:
     """The machine with one entry per stage, each its holder's (role, device, speed, threads), and a
-    holder's memory divided evenly between its stages; ``machine`` itself with one stage per process."""
+    holder's memory divided evenly between its stages (``split_memory``; else each stage may take
+    all of it); ``machine`` itself with one stage per process."""
     if list(owner) == list(range(len(machine.stages))):
         return machine
-    per = len(owner) // len(machine.stages)
+    per = len(owner) // len(machine.stages) if split_memory else 1
     return replace(
         machine,
         stages=[machine.stages[o] for o in owner],
@@ -318,20 +320,18 @@ def partition(
 ) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` cuts, one per stage (``stages_per_process`` per stage process, placed
     as the schedule places them), minimizing the slowest stage's time per micro-batch within each
-    stage's memory (a process's divided evenly between its stages; the activations it holds as the
-    schedule's order keeps them); with ``offloadable`` (fine mode), a GPU stage's optimizer state
-    need not fit, as it may move to the CPU; the first stage holds at least the first
-    ``first_stage_layers`` layers. Raises ``ValueError`` when no cut fits."""
-    owner = _holders(len(machine.stages), len(machine.stages) * stages_per_process, schedule)
-    held = _held(schedule_actions(schedule, len(machine.stages), stages_per_process, micro_batches), len(owner))
-    machine = _by_stage(machine, owner)
+    stage's memory (the activations it holds as the schedule's order keeps them); with ``offloadable``
+    (fine mode), a GPU stage's optimizer state need not fit, as it may move to the CPU; the first stage
+    holds at least the first ``first_stage_layers`` layers. Raises ``ValueError`` when no cut fits.
 
-    def need(stage: int, span: range, samples: float) -> float:
-        offload = offloadable and machine.stage_names[stage].startswith("cuda")
-        movable = profile.held(span)[0] if offload else 0
-        return _stage_memory(profile, span, samples, movable)
-
-    layers, stages = len(profile.layers), len(machine.stages)
+    [Note: a process's stages share its memory]
+    Where a process holds several stages, the fastest cut with each stage alone within the process's
+    memory is taken if the process's stages fit it together (a weight two of them use held once, the
+    activations as the schedule's order keeps them: what ``predict`` counts); otherwise the fastest cut
+    with each stage within an even part of it, which fits by construction (a shared weight counted in
+    each part)."""
+    processes = len(machine.stages)
+    layers, stages = len(profile.layers), processes * stages_per_process
     if stages > layers:
         raise ValueError(f"Cannot plan {stages} stages for {layers} layers: each stage needs at least one layer.")
     if first_stage_layers > layers - stages + 1:
@@ -339,16 +339,47 @@ def partition(
             f"Cannot plan {stages} stages for {layers} layers with the first {first_stage_layers} in the first stage:"
             " each other stage needs at least one layer."
         )
-    costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
+    owner = _holders(processes, stages, schedule)
+    actions = schedule_actions(schedule, processes, stages_per_process, micro_batches)
+    held = _held(actions, len(owner))
+    whole = _by_stage(machine, owner, split_memory=False)
     for i, layer in enumerate(profile.layers):
-        alone = [need(s, range(i, i + 1), micro_batch) for s in range(stages)]
-        if all(m is not None and need > m for need, m in zip(alone, machine.memory)):
-            smallest = min(m for m in machine.memory if m is not None)
+        alone = [_need(profile, whole, offloadable, s, range(i, i + 1), micro_batch) for s in range(stages)]
+        if all(m is not None and need > m for need, m in zip(alone, whole.memory)):
+            largest = max(m for m in whole.memory if m is not None)
             raise ValueError(
-                f"Layer {i} ({layer.name}) needs {min(alone) / 2**30:.2f} GiB with its gradients"
-                f"{'' if offloadable else ' and optimizer state'}, more than any stage's memory ({smallest / 2**30:.2f}"
-                " GiB). Split it into smaller blocks, or offload its optimizer state in fine mode."
+                f"Layer {i} ({layer.name}) needs {_gib(min(alone))} with its gradients"
+                f"{'' if offloadable else ' and optimizer state'}, more than any stage's memory ({_gib(largest)})."
+                " Split it into smaller blocks, or offload its optimizer state in fine mode."
             )
+    cut = partial(_cut, profile, micro_batch, held, owner, offloadable, first_stage_layers)
+    if stages_per_process == 1:
+        return cut(machine)
+    bounds = cut(whole, refuse=False)
+    if bounds is not None:
+        activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * micro_batch for b in bounds]
+        peaks = _activation_peaks(actions, activations)
+        memory = [peak + _stage_memory(profile, layers, 0.0) for peak, layers in zip(peaks, _process_layers(bounds, owner))]
+        if _memory_fits(profile, machine, bounds, memory, offloadable, schedule):
+            return bounds
+    return cut(_by_stage(machine, owner))
+
+
+def _cut(
+    profile: Profile,
+    micro_batch: float,
+    held: Sequence[int],
+    owner: Sequence[int],
+    offloadable: bool,
+    first_stage_layers: int,
+    machine: Machine,
+    refuse: bool = True,
+) -> Optional[list[tuple[int, int]]]:
+    """``partition``'s search on a machine of one entry per stage (``_by_stage``): the fastest cut with
+    each stage within its entry's memory; None where none fits and not ``refuse``."""
+    need = partial(_need, profile, machine, offloadable)
+    layers, stages = len(profile.layers), len(machine.stages)
+    costs = [StageCosts(profile.devices[role], speed) for role, speed in zip(machine.stages, machine.stage_speed)]
     inf = float("inf")
     best = [[inf] * (layers + 1) for _ in range(stages + 1)]
     cut = [[0] * (layers + 1) for _ in range(stages + 1)]
@@ -369,6 +400,8 @@ def partition(
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     if best[stages][layers] == inf:
+        if not refuse:
+            return None
         raise ValueError(
             f"No cut of the {layers} layers into {stages} stages fits the stages' memory at micro-batches of"
             f" {micro_batch:g} samples; use more stages, smaller micro-batches, or fine mode's offload."
@@ -378,6 +411,17 @@ def partition(
         bounds.append((cut[k][stop], stop))
         stop = cut[k][stop]
     return bounds[::-1]
+
+
+def _need(profile: Profile, machine: Machine, offloadable: bool, stage: int, span: range, samples: float) -> float:
+    """Bytes stage ``stage`` of a machine of one entry per stage needs for the layers of ``span``, with
+    ``samples`` samples' activations; with ``offloadable``, a GPU stage's optimizer state may move."""
+    offload = offloadable and machine.stage_names[stage].startswith("cuda")
+    return _stage_memory(profile, span, samples, profile.held(span)[0] if offload else 0)
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**27 else f"{size / 2**20:.3g} MiB" if size >= 2**17 else f"{size:.0f} bytes"
 
 
 def _send(profile: Profile, machine: Machine, stop: int, micro_batch: float) -> float:
@@ -687,8 +731,7 @@ def _fastest(
     first_stage_layers: int = 0,
 ) -> Optional[tuple[list[tuple[int, int]], int, int, Prediction]]:
     """With one schedule: (cut, the pipeline's samples, micro-batches, prediction) of the fastest
-    layout whose stages fit their memory (``partition``: each stage its process's memory's even part,
-    so that the process's stages fit together), or None."""
+    layout whose stage processes fit their memory (``partition``), or None."""
     best: Optional[tuple[list[tuple[int, int]], int, int, Prediction]] = None
     processes, cls = len(machine.stages), schedule_class(schedule)
     # A pipeline of one stage runs its share in one pass (`workers.SoleStage`): no micro-batches.
@@ -717,15 +760,27 @@ def _fastest(
 def _fits(
     profile: Profile, machine: Machine, bounds: Sequence[tuple[int, int]], prediction: Prediction, mode: str, schedule: str
 ) -> bool:
-    """Whether every stage process's predicted bytes fit its memory; in fine mode a GPU stage's
-    optimizer state need not, as it may move to the CPU (``offload_plan``)."""
+    """Whether every stage process's predicted bytes fit its memory (``_memory_fits``)."""
+    return _memory_fits(profile, machine, bounds, prediction.memory, mode == "fine", schedule)
+
+
+def _memory_fits(
+    profile: Profile,
+    machine: Machine,
+    bounds: Sequence[tuple[int, int]],
+    memory: Sequence[float],
+    offloadable: bool,
+    schedule: str,
+) -> bool:
+    """Whether each stage process's ``memory`` (bytes) fits it; with ``offloadable`` (fine mode) a GPU
+    stage's optimizer state need not, as it may move to the CPU (``offload_plan``)."""
     movable = [0.0] * len(machine.stages)
-    if mode == "fine":
+    if offloadable:
         held = _process_layers(bounds, _holders(len(machine.stages), len(bounds), schedule))
         for process, layers in enumerate(held):
             if machine.stage_names[process].startswith("cuda"):
                 movable[process] = profile.optimizer_state_factor * profile.held(layers)[1]
-    return all(m is None or need - moved <= m for need, moved, m in zip(prediction.memory, movable, machine.memory))
+    return all(m is None or need - moved <= m for need, moved, m in zip(memory, movable, machine.memory))
 
 
 def _process_layers(bounds: Sequence[tuple[int, int]], owner: Sequence[int]) -> list[list[int]]:

@@ -19,8 +19,13 @@ from lightning_hetero.planner import (
     plan_run,
     predict,
     predict_plan,
+    partition,
     predict_replicas,
     schedule_candidates,
+    _by_stage,
+    _cut,
+    _held,
+    _holders,
     _stage_memory,
 )
 from lightning_hetero.profiling import LinkProfile, Profile, TiedProfile
@@ -240,6 +245,48 @@ def test_a_tied_weight_counts_once_where_one_process_holds_every_use(tmp_path: P
     # Offloading a bucket frees its optimizer state; buckets count the shared part in each of its
     # layers, but what is freed is never more than the stage holds.
     assert _stage_memory(tied, range(4), 0.0, offloaded_params=4000) == pytest.approx(2 * tied.held(range(4))[1])
+
+
+@pytest.mark.skipif("ZBVZeroBubble" not in AVAILABLE, reason="this torch has no ZBVZeroBubble")
+def test_a_v_whose_first_process_holds_a_tied_weight_once_fits_where_each_half_would_not() -> None:
+    """The V's first process holds the first and the last layer, which share 500 of their 1000
+    parameters: together 1500, within its memory; each stage alone in half of it would not be."""
+    tied = profile([0.01] * 4, params=[1000, 200, 200, 1000], stages=2)
+    tied.tied = [TiedProfile(layers=[0, 3], params=500, param_bytes=2000)]
+    per_byte = 2 + tied.optimizer_state_factor  # weights, gradients, optimizer state
+    memory = per_byte * 7000.0  # the process's 6000 bytes fit; half of it holds no 4000-byte layer
+    bounds = partition(tied, gpus(2, memory=[memory, memory]), 4, 4, "ZBVZeroBubble", stages_per_process=2)
+    assert bounds == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert max(predict(tied, gpus(2), bounds, 16, 16, 4, schedule="ZBVZeroBubble").memory) <= memory
+    untied = profile([0.01] * 4, params=[1000, 200, 200, 1000], stages=2)
+    with pytest.raises(ValueError, match="No cut"):  # without the sharing, 8000 bytes do not fit
+        partition(untied, gpus(2, memory=[memory, memory]), 4, 4, "ZBVZeroBubble", stages_per_process=2)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_cut_with_several_stages_per_process_fits_each_process_and_is_found_where_an_even_split_is(seed: int) -> None:
+    """Whatever the sizes, tied weights and memory: the cut found fits every process as ``predict``
+    counts it, and a cut is found wherever one with each stage in an even part of its process's memory is."""
+    import random
+
+    rng = random.Random(seed)
+    schedule = rng.choice([s for s in AVAILABLE if s != "LoopedBFS"] or pytest.skip("no multi-stage schedule"))
+    layers, m = rng.randint(4, 9), 4
+    prof = profile([rng.uniform(0.001, 0.01) for _ in range(layers)], params=[rng.randint(1, 20) * 100 for _ in range(layers)],
+                   activation=rng.choice([0.0, 10.0]))
+    if rng.random() < 0.7:
+        prof.tied = [TiedProfile(layers=[0, layers - 1], params=100, param_bytes=400)]
+    mach = gpus(2, memory=[rng.uniform(4e4, 2e5) for _ in range(2)])
+    owner = _holders(2, 4, schedule)
+    held = _held(schedule_actions(schedule, 2, 2, m), 4)
+    even = _cut(prof, 4.0, held, owner, False, 0, _by_stage(mach, owner), refuse=False)
+    try:
+        bounds = partition(prof, mach, 4.0, m, schedule, stages_per_process=2)
+    except ValueError:
+        assert even is None
+        return
+    memory = predict(prof, gpus(2), bounds, 4 * m, 4 * m, m, schedule=schedule).memory
+    assert all(need <= limit * (1 + 1e-12) for need, limit in zip(memory, mach.memory))
 
 
 def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() -> None:
