@@ -948,22 +948,21 @@ def offload_plan(
     """Fine mode's offload set: on each GPU stage, the buckets a CPU thread can step (with their
     copies over the host link) before that stage's last backward ends (``choose_offload``), and
     more, largest first, where the stage's memory cannot hold the rest of their optimizer state.
-    Emulated (CPU) stages gain nothing from offloading and offload nothing."""
-    from lightning_hetero.sync import make_buckets
-
-    buckets = make_buckets([layer.params for layer in profile.layers], bounds, int(bucket_size_mb * 2**20))
+    A tied weight's bucket is ready when the backward ends. Emulated (CPU) stages gain nothing from
+    offloading and offload nothing."""
     cpu = profile.devices.get("cpu")
-    chosen: list[int] = []
+    chosen: set[int] = set()
     machine = _by_stage(machine, _holders(len(machine.stages), len(bounds), schedule))
+    buckets = _buckets(profile, bounds, int(bucket_size_mb * 2**20))
     for s, (role, speed, memory, name) in enumerate(zip(machine.stages, machine.stage_speed, machine.memory, machine.stage_names)):
         if not name.startswith("cuda") or cpu is None:
             continue
-        own = [b for b in buckets if b.stage == s]
+        own = [(b, params, nbytes) for b, params, nbytes in buckets if s in b.stages]
         times = profile.devices[role]
-        backward = [times.backward_time(range(*b.layers), micro_batch) / speed for b in own]
+        backward = [times.backward_time(range(*b.layers), micro_batch) / speed for b, _, _ in own]
         ready = [sum(backward[: k + 1]) for k in range(len(own))]
-        params = [sum(profile.layers[i].params for i in range(*b.layers)) for b in own]
-        nbytes = [sum(profile.layers[i].param_bytes for i in range(*b.layers)) for b in own]
+        params = [n for _, n, _ in own]
+        nbytes = [n for _, _, n in own]
         cost = [n * cpu.offloaded_s_per_param + 2 * machine.d2h.time(b) for n, b in zip(params, nbytes)]
         picked = choose_offload(ready, cost, nbytes, backward_end=sum(backward))
         if memory is not None:
@@ -972,8 +971,40 @@ def offload_plan(
                 if need(picked) <= memory:
                     break
                 picked.append(k)
-        chosen += [own[k].index for k in sorted(picked)]
+        chosen.update(own[k][0].index for k in picked)
     return sorted(chosen)
+
+
+def _buckets(profile: Profile, bounds: Sequence[tuple[int, int]], bucket_bytes: int) -> list[tuple[Any, int, int]]:
+    """Fine mode's buckets for the cut ``bounds`` (``sync.make_buckets``), each with the parameters and
+    bytes it steps, as ``workers.Placement.buckets`` fills them: a weight that layers of several stages
+    share has a bucket of its own; one shared within a stage is in the bucket of its earliest use."""
+    from lightning_hetero.sync import make_buckets
+
+    stage_of = [s for s, (start, stop) in enumerate(bounds) for _ in range(start, stop)]
+    across: dict[tuple[int, ...], list[Any]] = {}
+    within = []
+    for tied in profile.tied:
+        stages = tuple(sorted({stage_of[i] for i in tied.layers}))
+        if len(stages) > 1:
+            across.setdefault(stages, []).append(tied)
+        else:
+            within.append(tied)
+    buckets = make_buckets([layer.params for layer in profile.layers], bounds, bucket_bytes, list(across))
+    home = {id(t): max(k for k, b in enumerate(buckets) if b.layers[0] <= min(t.layers) < b.layers[1]) for t in within}
+    sized = []
+    for k, b in enumerate(buckets):
+        if b.tied:
+            sized.append((b, sum(t.params for t in across[b.tied]), sum(t.param_bytes for t in across[b.tied])))
+            continue
+        span = range(*b.layers)
+        params = sum(profile.layers[i].params for i in span)
+        nbytes = sum(profile.layers[i].param_bytes for i in span)
+        for t in [t for ts in across.values() for t in ts] + within:
+            uses = sum(i in span for i in t.layers) - (home.get(id(t)) == k)
+            params, nbytes = params - uses * t.params, nbytes - uses * t.param_bytes
+        sized.append((b, params, nbytes))
+    return sized
 
 
 def predict_plan(profile: Profile, machine: Machine, plan: HeteroPlan, batch_size: Optional[int] = None) -> Prediction:

@@ -141,13 +141,15 @@ class Placement:
         return [p for p in params if p not in tied]
 
     def buckets(self, bucket_bytes: int) -> list[tuple[Bucket, list[nn.Parameter]]]:
-        """Fine mode's buckets and their parameters: the stages' layers, then each set of tied parameters."""
+        """Fine mode's buckets and their parameters, each parameter in one: the stages' layers, then each
+        set of tied parameters. A parameter that layers of two buckets of one stage use (a tied weight
+        within a stage: GPT-2's embedding and head on one replica) is in the later bucket, its earliest
+        use's, whose backward completes its gradient."""
         buckets = make_buckets(self.layers, self.bounds, bucket_bytes, [t.stages for t in self.tied])
         tied = self.tied_by_stages()
-        return [
-            (b, tied[b.tied].params if b.tied else self.untied(_unique(self._params_of(*b.layers))))
-            for b in buckets
-        ]
+        params = [tied[b.tied].params if b.tied else self.untied(_unique(self._params_of(*b.layers))) for b in buckets]
+        last = {p: k for k, bucket in enumerate(params) for p in bucket}
+        return [(b, [p for p in bucket if last[p] == k]) for k, (b, bucket) in enumerate(zip(buckets, params))]
 
     def tied_by_stages(self) -> dict[tuple[int, ...], Tied]:
         return {t.stages: t for t in self.tied}

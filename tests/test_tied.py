@@ -64,10 +64,14 @@ def test_matches_single_process(tmp_path: Path, plain: TiedNet, num_stages: int,
         {"cpu_fraction": 0.5, "offload": "none"},
         {"cpu_fraction": 0.5, "offload": "all"},
         {"cpu_workers": 0, "offload": "all", "stages": ["cpu"] * 3},
+        {"cpu_fraction": 0.5, "stages": ["cpu"]},
+        {"cpu_fraction": 0.0, "offload": "all", "stages": ["cpu"]},
     ],
-    ids=["cpu-worker", "offloaded", "stages-only"],
+    ids=["cpu-worker", "offloaded", "stages-only", "both-uses-in-one-stage", "both-uses-in-one-stage-offloaded"],
 )
 def test_fine_mode_matches_single_process(tmp_path: Path, plain: TiedNet, kwargs: dict) -> None:
+    """Also where one stage holds both uses of the tied weight in two of its buckets: the weight is in
+    one of them, the earlier layer's, and is summed and stepped once."""
     strategy = hetero(mode="fine", bucket_size_mb=1e-5, **kwargs)
     model = fit(TiedNet(), strategy, copies=tmp_path, gradient_clip_val=0.05)
     assert_copies_identical(tmp_path)
@@ -206,3 +210,28 @@ def test_the_analyzer_plans_a_model_with_tied_weights(tmp_path: Path, mode: str)
     strategy = hetero(mode=mode, micro_batches=1)
     model = fit(PipelinedGPT2(), strategy, token_data(), callbacks=[analyzer], default_root_dir=tmp_path)
     assert max_param_diff(reference, model) < TOL
+
+
+@pytest.mark.parametrize("bounds", [[(0, 6)], [(0, 5), (5, 6)], [(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]])
+@pytest.mark.parametrize("bucket_bytes", [1, 200, 2**20])
+def test_the_planner_sizes_fine_modes_buckets_as_the_run_fills_them(bounds: list, bucket_bytes: int) -> None:
+    """The planner's buckets (which it offloads by index, for the optimizer state they free) are the
+    run's: a weight tied across stages in a bucket of its own, one tied within a stage once."""
+    from lightning_hetero.planner import _buckets
+    from lightning_hetero.profiling import LayerProfile, Profile, tied_layers
+    from lightning_hetero.workers import Placement, Tied
+
+    layers = check_model_contract(TiedNet())
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    profile = Profile(
+        batch_size=1,
+        layers=[LayerProfile(f"layers.{i}", n, 8 * n, 0.0, 0.0, 0.0) for i, n in enumerate(counts)],
+        devices={},
+        tied=tied_layers(layers),
+    )
+    tied = [Tied(stages, params, None, None) for stages, params in tied_parameters(layers, bounds)]
+    place = Placement(layers, bounds, [None] * len(bounds), list(range(len(bounds))), tied)
+    run = [(b.index, b.stages, sum(p.numel() for p in params)) for b, params in place.buckets(bucket_bytes)]
+    planned = [(b.index, b.stages, n) for b, n, _ in _buckets(profile, bounds, bucket_bytes)]
+    assert planned == run
+    assert sum(n for *_, n in run) == sum(p.numel() for p in TiedNet().parameters())
