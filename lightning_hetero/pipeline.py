@@ -454,9 +454,10 @@ class Pipeline:
     def eval_step(self, inputs: Any, micro_batches: int) -> Any:
         """Forward only over the share; return the merged outputs on the last stage."""
         args, inputs_by_name = self._first_stage_args(inputs)
-        if schedule_name(self.schedule_cls) in V_SHAPED:
-            # torch's runtime passes a V's gradients between the two stages a process holds even where
-            # there is no backward, and fails: the forward runs here, every micro-batch in stage order.
+        if any(a == b for a, b in zip(self.holders, self.holders[1:])):
+            # torch's runtime passes gradients between consecutive stages a process holds (a V's turn;
+            # a loop on one process) even where there is no backward, and fails: the forward runs
+            # here, every micro-batch in stage order.
             return self._forward_in_stage_order(args, inputs_by_name, micro_batches)
         schedule = self._schedule(False, micro_batches, inputs)
         return schedule.step(*args, **inputs_by_name)

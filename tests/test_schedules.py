@@ -120,10 +120,14 @@ def test_resume_matches_the_uninterrupted_run(tmp_path: Path, schedule: str, mod
     assert max_param_diff(fit(None, ckpt=tmp_path / "step=4.ckpt"), resumed) < TOL  # an ordinary checkpoint
 
 
-@pytest.mark.parametrize(("schedule", "cpu_workers"), [("ZBVZeroBubble", 0), ("Interleaved1F1B", 1), ("DualPipeV", 1)])
-def test_validation_and_prediction_give_one_process_outputs(schedule: str, cpu_workers: int) -> None:
-    """Forward only, the stages in a loop run torch's schedule; in a V (whose first process holds the
-    last stage too, here the run's global rank 0 without a CPU worker) every micro-batch goes through
+@pytest.mark.parametrize(
+    ("schedule", "cpu_workers", "processes"),
+    [("ZBVZeroBubble", 0, 2), ("Interleaved1F1B", 1, 2), ("DualPipeV", 1, 2), ("Interleaved1F1B", 1, 1), ("LoopedBFS", 0, 1)],
+)
+def test_validation_and_prediction_give_one_process_outputs(schedule: str, cpu_workers: int, processes: int) -> None:
+    """Forward only, the stages in a loop over several processes run torch's schedule; in a V (whose
+    first process holds the last stage too, here the run's global rank 0 without a CPU worker) and in
+    a loop on one process, where a process holds consecutive stages, every micro-batch goes through
     the stages in order."""
     if schedule not in SCHEDULES:
         pytest.skip(f"this torch has no {schedule}")
@@ -131,7 +135,7 @@ def test_validation_and_prediction_give_one_process_outputs(schedule: str, cpu_w
     plain, model = Net().double(), Net().double()
     reference = trainer(None, max_steps=STEPS)
     reference.fit(plain, regression_data(), val_dataloaders=validation)
-    layout = dict(stages=["cpu", "cpu"], schedule=schedule, micro_batches=4, cpu_workers=cpu_workers, cpu_fraction=0.0)
+    layout = dict(stages=["cpu"] * processes, schedule=schedule, micro_batches=4, cpu_workers=cpu_workers, cpu_fraction=0.0)
     run = trainer(hetero(**layout), max_steps=STEPS)
     run.fit(model, regression_data(), val_dataloaders=validation)
     assert max_param_diff(plain, model) < TOL
