@@ -62,7 +62,7 @@ class StageCheckpoints:
         state = with_offloaded_state(optimizer, self.bucket_steps)
         if self._engine is not None and self._engine.worker.sharding is not None:
             # The CPU workers' optimizer split between them: each one's part to rank 0 (`sharding.py`).
-            mine = self._engine.sync.sharded_state(optimizer)
+            mine = self._engine.state_sync.sharded_state(optimizer)
             state = gather_sharded_state(optimizer, mine, state, self.control_group)
         return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
 

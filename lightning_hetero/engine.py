@@ -107,8 +107,7 @@ class StepEngine:
         outputs: tuple[Optional[dist.ProcessGroup], int] = (None, 0),
     ) -> None:
         self.worker = worker
-        self.sync = GradSync()
-        """How gradients are summed and stepped; the strategy sets the run's when it fits."""
+        self._sync = self.state_sync = GradSync()
         self.state = StepState()
         self.stale = False
         """The CPU workers kept out of optimizer steps since they last computed, so their replicas
@@ -125,11 +124,24 @@ class StepEngine:
         self.recorder = recorder
         self._outputs = outputs
 
+    @property
+    def sync(self) -> GradSync:
+        """How gradients are summed and stepped; the strategy sets the run's when it fits."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, sync: GradSync) -> None:
+        self._sync = self.state_sync = sync
+
+    state_sync: GradSync
+    """The sync of the latest fit, closed or not: its offloaded and split buckets hold optimizer state
+    that a checkpoint written after the fit (``trainer.save_checkpoint``) still needs."""
+
     def close(self) -> None:
         """The end of a fit, validation, test or prediction in this process: the sync's threads and
-        hooks go, and what this rank sent is delivered."""
-        self.sync.close()
-        self.sync = GradSync()
+        hooks go (its optimizer state stays readable, ``state_sync``), and what this rank sent is delivered."""
+        self._sync.close()
+        self._sync = GradSync()
         flush = getattr(self._exchange, "flush", None)
         if flush is not None:
             flush()
@@ -249,7 +261,7 @@ class StepEngine:
         no-op unless the CPU workers kept out of optimizer steps since they last computed)."""
         if self.stale:
             log.debug("hetero: bringing the CPU workers' replicas up to date from the stages")
-            self.worker.refresh(optimizer, self.sync.bucket_steps)
+            self.worker.refresh(optimizer, self.state_sync.bucket_steps)
             self.stale = False
 
     def _share(self, report: WorkerReport, one_way: bool) -> list[WorkerReport]:

@@ -349,7 +349,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     @property
     def bucket_steps(self) -> list[BucketStep]:
         """This rank's bucket steps in fine mode (none in coarse mode)."""
-        return self._engine.sync.bucket_steps if self._engine is not None else []
+        return self._engine.state_sync.bucket_steps if self._engine is not None else []
 
     @override
     def model_to_device(self) -> None:

@@ -21,7 +21,8 @@ into DIR at every epoch's last batch (4 steps) with `save_last=True` and fits wi
 run (torchrun's `--max-restarts`) continues from the last checkpoint; rank 0 writes torchrun's
 restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays the model out in
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
-`--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit.
+`--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit; otherwise
+the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
 `BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
@@ -103,6 +104,8 @@ def main() -> None:
         (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if t.global_rank == args.exit_after_fit:
         sys.exit(3)
+    if args.exit_after_fit is None:  # every rank takes part in writing a checkpoint
+        t.save_checkpoint(args.out_dir / "after_fit.ckpt")  # the whole optimizer state, as a plain fit leaves it
     # Code after fit reads the whole trained model on every rank, as under DDP.
     held = {k: v.clone() for k, v in model.state_dict().items()}
     inputs = regression_data(n=5, seed=5).dataset.tensors[0].to(next(model.parameters()).dtype)

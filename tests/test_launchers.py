@@ -127,6 +127,24 @@ def test_replicas_under_external_launchers(tmp_path: Path, reference: dict, laun
     assert_every_rank_holds_the_model(tmp_path, ranks=3)
 
 
+@pytest.mark.parametrize(
+    "flags", [["--fine"], ["--cpu-workers=2"], ["--fine", "--cpu-workers=2"]], ids=["offloaded", "split", "offloaded-split"]
+)
+def test_a_checkpoint_saved_after_fit_holds_the_whole_optimizer_state(tmp_path: Path, flags: list[str]) -> None:
+    """`trainer.save_checkpoint` after fit, where the processes live on (popen): the optimizer state of an
+    offloaded bucket, and the parts the CPU workers split, are in it, as in one process's."""
+    plain = Net()
+    run = trainer(None, max_steps=8, precision="32-true")
+    run.fit(plain, regression_data(n=44))
+    expected = run.optimizers[0].state_dict()["state"]
+    popen(tmp_path, *flags)
+    saved = torch.load(tmp_path / "after_fit.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert sorted(saved) == sorted(expected)
+    for position, state in expected.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(saved[position][key].float(), state[key], rtol=1e-4, atol=1e-7), (position, key)
+
+
 def test_tied_weights_under_popen(tmp_path: Path) -> None:
     plain = TiedNet()
     trainer(None, max_steps=8).fit(plain, regression_data())
