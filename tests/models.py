@@ -367,13 +367,12 @@ def demo_transformer(vocab: int = 50) -> L.LightningModule:
     return model
 
 
-def demo_data(n: int = 8, vocab: int = 50, block: int = 12) -> DataLoader:
-    """Token blocks shaped as the demo's own dataset gives them, one per batch as its loader does (its
-    `nn.Transformer` is not batch-first: a batch's first dimension is the sequence, so the samples of
-    a batch attend to each other and cannot be split between workers)."""
+def demo_data(n: int = 8, vocab: int = 50, block: int = 12, batch_size: int = 1) -> DataLoader:
+    """Token blocks shaped as the demo's own dataset gives them, one per batch as its loader does unless
+    told (its `nn.Transformer` is batch-first: the samples of a batch are independent)."""
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, vocab, (n, block + 1), generator=g)
-    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=1)
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch_size)
 
 
 class TinyResNet(L.LightningModule):
