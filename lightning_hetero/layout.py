@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hetero.loading import LoaderPolicy, set_workers
+from lightning_hetero.module import offers_blocks
 from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.shares import Shares, split_batch
@@ -45,8 +47,9 @@ class RunLayout:
     """Mixin for the hetero strategy: its layout and the topology it gives. The strategy provides
     ``_plan``, ``_stage_devices``, ``_num_nodes``, ``_emulated_speed``, ``_planner``, ``_groups``
     (once connected), ``_engine`` (once set up), ``_tuned_loaders`` (the training DataLoaders whose
-    workers it may change), ``_schedule_request`` (the schedule arguments, None with a plan given) and
-    ``local_rank``."""
+    workers it may change), ``_schedule_request`` (the schedule arguments, None with a plan given),
+    ``_given`` (the ``cpu_fraction``, ``micro_batches`` and ``offload`` given other than their
+    defaults) and ``local_rank``."""
 
     _plan: HeteroPlan
     _stage_devices: list[torch.device]
@@ -58,6 +61,7 @@ class RunLayout:
     _tuned_loaders: list[DataLoader]
     _loader_policy: LoaderPolicy
     _schedule_request: Optional[tuple[Any, Any]]
+    _given: dict[str, Any]
     local_rank: int
     lightning_module: Optional[LightningModule]
     _encoder_pacing: Optional[EncoderPacing] = None
@@ -91,6 +95,12 @@ class RunLayout:
             raise RuntimeError("`apply_plan` must come before the strategy cuts the model (its `setup`).")
         self._plan = replace(plan, cpu_threads=self._plan.cpu_threads if plan.cpu_threads is None else plan.cpu_threads)
         log.info("hetero: applied a plan:\n%s", self._plan.table())
+        changed = [f"{k}={v!r} with {getattr(plan, k)!r}" for k, v in self._given.items() if getattr(plan, k) != v]
+        if changed:
+            rank_zero_warn(
+                f"The plan applied (the workload analyzer's) replaces {', '.join(changed)}: it plans them (a schedule"
+                " you name stays). To train with the values given, leave the analyzer out, or replay a plan (`plan=`)."
+            )
         self._set_threads()
 
     def layout(self) -> dict[str, Any]:
@@ -176,6 +186,13 @@ class RunLayout:
         ``parallelism="auto"`` for the model. ``cut_later``: a planner is to choose the cut
         (``plan_with``), and what depends on the cut is checked in the plan it gives."""
         self._plan = self._plan.for_model(model)
+        named = [f"{k}={v!r}" for k, v in zip(("schedule", "stages_per_process"), self._schedule_request or ()) if v != "auto"]
+        if named and not offers_blocks(model):  # replicas; a model with blocks may become a pipeline (the analyzer)
+            rank_zero_warn(
+                f"`{', '.join(named)}` orders a pipeline's stages, but `{type(model).__name__}` offers no blocks and trains"
+                " as replicas (whole copies of the model), where it has no effect. Give the model blocks"
+                " (`pipeline_layers()`) to train it as a pipeline, or leave it out."
+            )
         return self._plan.place_blocks(model, cut_later)[0]
 
     @property

@@ -80,15 +80,16 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         cpu_workers: CPU-worker processes, each with a full replica of the model (0: pipeline only); ``"auto"``: one
             per NUMA node, pinned to its cores; or each one's cores, ``[[0, 1], [2, 3]]`` (``docs/cpu-workers.md``).
         cpu_threads: torch threads per CPU worker; ``None``: its pinned cores, or the machine's shared out.
-        micro_batches: micro-batches the pipeline's share is cut into.
+        micro_batches: micro-batches the pipeline's share is cut into (a ``WorkloadAnalyzer`` among the callbacks
+            plans them, as it plans the cut, ``cpu_fraction`` and ``offload``, saying what it changed).
         schedule: a schedule known to ``get_schedule_class``: one stage per process ("GPipe", "1F1B"), or several
             ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"; ``docs/schedules.md``);
             ``"auto"``: the workload analyzer's choice (GPipe without one).
         stages_per_process: the stages each stage process holds with a multi-stage schedule: ``"auto"`` is 2 for
             those (a V for ZBVZeroBubble and DualPipeV), 1 for the others, or the workload analyzer's choice; the
             blocks are cut into that many stages per process.
-        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given; ``"auto"``:
-            the share the CPU earns in training (``docs/rebalancing.md``).
+        cpu_fraction: the share of every batch the CPU workers compute, in ``[0, 1]``, kept as given (unless a
+            ``WorkloadAnalyzer`` plans the run); ``"auto"``: the share the CPU earns in training (``docs/rebalancing.md``).
         start_method: ``"popen"`` (run the script again per rank, as DDP), ``"fork"``, ``"spawn"``,
             ``"forkserver"``; ``"auto"``: fork in a notebook, popen elsewhere. Unused under torchrun or SLURM.
         timeout: how long a collective may wait before the run fails (a ``timedelta`` or seconds).
@@ -156,6 +157,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
         self._earned_fraction = plan is None and cpu_fraction == "auto"
         self._schedule_request = (schedule, stages_per_process) if plan is None else None
+        self._given = {k: arguments[k] for k in ("cpu_fraction", "micro_batches", "offload") if arguments[k] != _LAYOUT_DEFAULTS[k]}
         self._loader_policy = check_loader_policy(dataloader_workers)
         if isinstance(self._loader_policy, int):
             self._plan = replace(self._plan, dataloader_workers=self._loader_policy)

@@ -392,3 +392,18 @@ def test_the_planned_layout_keeps_the_cpu_workers_cores_and_their_split(tmp_path
     assert profile.cpu_cores == len(os.sched_getaffinity(0))
     assert sum(len(node) for node in profile.numa_nodes) == len(os.sched_getaffinity(0))
     assert "a whole copy in each (shard_cpu_optimizer=False)" in (tmp_path / "explain.txt").read_text()
+
+
+def test_a_plan_that_replaces_values_given_says_so(no_processes: None) -> None:
+    """The workload analyzer plans the CPU fraction, micro-batches and offload: where its plan replaces
+    values the strategy was given, a warning names them; values left at their defaults change silently."""
+    import warnings
+
+    strategy = HeteroStrategy(stages=["cpu", "cpu"], cpu_fraction=0.3, micro_batches=2)
+    with pytest.warns(UserWarning, match=r"replaces cpu_fraction=0.3 with 1.0, micro_batches=2 with 1"):
+        strategy.apply_plan(replace(strategy.plan, cpu_fraction=1.0, micro_batches=1))
+    quiet = HeteroStrategy(stages=["cpu", "cpu"], cpu_fraction=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.apply_plan(replace(quiet.plan, micro_batches=1))  # the default, 4, was not given
+        quiet.apply_plan(replace(quiet.plan, cpu_fraction=0.3))

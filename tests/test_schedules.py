@@ -8,6 +8,7 @@ take is refused before any process starts."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,19 @@ def test_an_encoder_placed_for_a_later_stage_is_refused_with_a_split_backward(no
                 plan(schedule, [1, 2, 3]).place_blocks(LateEncoders())
             plan(schedule, [2, 3, 4]).place_blocks(LateEncoders())  # the encoders in the first stage
     plan("Interleaved1F1B", [1, 2, 3]).place_blocks(LateEncoders())
+
+
+def test_a_schedule_named_for_a_model_without_blocks_is_said_to_have_no_effect(no_processes: None) -> None:
+    from tests.models import TwoPass
+
+    with pytest.warns(UserWarning, match=r"`schedule='Interleaved1F1B'` orders a pipeline's stages, but `TwoPass`"):
+        HeteroStrategy(stages=["cpu", "cpu"], schedule="Interleaved1F1B").check_model(TwoPass())
+    with pytest.warns(UserWarning, match=r"`stages_per_process=2` orders"):
+        HeteroStrategy(stages=["cpu", "cpu"], stages_per_process=2).check_model(TwoPass())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HeteroStrategy(stages=["cpu", "cpu"]).check_model(TwoPass())  # nothing named
+        HeteroStrategy(stages=["cpu", "cpu"], schedule="1F1B", parallelism="replicas").check_model(Net())  # blocks
 
 
 def test_a_single_stage_schedule_keeps_one_stage_per_process() -> None:
