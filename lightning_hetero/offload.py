@@ -20,8 +20,8 @@ CPU workers, they split an offloaded bucket's step between them instead (``shard
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, Union
 
 import torch
@@ -174,7 +174,8 @@ class OffloadStep(BucketStep):
         self._to_host()
         if self.optimizer is not None:
             self._sync_hyperparameters(self.optimizer, self.user, self.sources)
-            self.optimizer.step()
+            with _unfused_where_momentum_is_partial(self.optimizer):
+                self.optimizer.step()
         self._to_device()
 
     def after_all_steps(self) -> None:
@@ -240,6 +241,26 @@ class OffloadStep(BucketStep):
                     else v
                     for k, v in state.items()
                 }
+
+
+@contextmanager
+def _unfused_where_momentum_is_partial(optimizer: Optimizer) -> Iterator[None]:
+    """torch's fused SGD steps a group as its first step (no momentum buffer yet) or with a buffer for
+    every parameter, and fails where parameters trained since (unfrozen) have none beside others that
+    do: such a group steps unfused, as the user's optimizer steps every parameter, until all have one."""
+    partial = []
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group.get("fused") and group["momentum"]:
+                fresh = [optimizer.state.get(p, {}).get("momentum_buffer") is None for p in group["params"] if p.grad is not None]
+                if any(fresh) and not all(fresh):
+                    partial.append(group)
+                    group["fused"] = False
+    try:
+        yield
+    finally:
+        for group in partial:
+            group["fused"] = True
 
 
 def _cpu_optimizer(optimizer: Optimizer, groups: list[dict]) -> Optimizer:

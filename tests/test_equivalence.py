@@ -96,9 +96,16 @@ class Unfreeze(L.Callback):
             pl_module.layers[0].requires_grad_(True)
 
 
-@pytest.mark.parametrize("num_stages", [2, 6])  # with 6, the first stage is the frozen block alone
-def test_frozen_then_unfrozen_layers(tmp_path: Path, num_stages: int) -> None:
-    strategy = hetero(stages=["cpu"] * num_stages, cpu_fraction=0.25)
+@pytest.mark.parametrize(
+    "layout",
+    [dict(stages=["cpu"] * 2), dict(stages=["cpu"] * 6), dict(stages=["cpu"], mode="fine", offload="all")],
+    ids=["2-stages", "6-stages", "fine-offloaded"],  # with 6, the first stage is the frozen block alone
+)
+def test_frozen_then_unfrozen_layers(tmp_path: Path, layout: dict) -> None:
+    """SGD with momentum: the unfrozen block's momentum starts when it first trains. Offloaded, one bucket
+    (one stage's) holds it beside blocks with momentum already, which torch's fused CPU SGD cannot step
+    together."""
+    strategy = hetero(cpu_fraction=0.25, **layout)
     assert_same_run(tmp_path, strategy, {"optimizer": "sgd"}, [Unfreeze()], gradient_clip_val=0.05)
 
 
