@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from torch.optim import Optimizer
 
 from lightning_hetero.devices import device_stats
 from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, nonfinite_error, nonfinite_parts
+from lightning_hetero.module import buffer_versions
 from lightning_hetero.record import Recorder, StepClock, span
 from lightning_hetero.results import LoggedValue, WorkerReport, combine_logs, combine_loss, merge_outputs
 from lightning_hetero.shares import Shares
@@ -114,6 +116,7 @@ class StepEngine:
         are behind the stages' (on every rank alike); ``refresh_replicas`` brings them up to date."""
         self.skipped_steps = 0
         self.report_device_stats = False
+        self._buffers_checked = False
         self.latest_device_stats: dict[str, dict[str, float]] = {}
         self._exchange = exchange
         self._log = log
@@ -194,11 +197,15 @@ class StepEngine:
         )
         zero_grad = first and not is_overridden("optimizer_zero_grad", trainer.lightning_module)
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
+        buffers = buffer_versions(worker.module) if not self._buffers_checked else None
         try:
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
         except BaseException:
             self.sync.abort()
             raise
+        if buffers is not None:
+            self._buffers_checked = True
+            _warn_of_changed_buffers(worker.module, buffers)
         report.nonfinite = nonfinite_parts(report.loss, worker.fresh_grads)
         skipped = False
         if state.syncs:
@@ -321,6 +328,23 @@ class StepEngine:
         group, first = self._outputs
         parts = gather_object_to(mine, first, group)
         return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
+
+
+def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]]) -> None:
+    """Once, after this process's first training step: buffers the step wrote (running means, counters)
+    hold what this worker saw of the batch, not the whole batch as in one process."""
+    after = buffer_versions(module)
+    changed = [name for name, version in before.items() if after.get(name, version) != version]
+    if changed:
+        warnings.warn(
+            f"`{type(module).__name__}`'s training step changed its buffer(s) {changed[:5]}"
+            f"{' ...' if len(changed) > 5 else ''}. Each worker computes its own share of every batch (a pipeline stage"
+            " one micro-batch at a time), so such buffers follow that share, not the whole batch, and differ from"
+            " one process's and between workers; the strategy keeps only BatchNorm's statistics equal. Update them"
+            " outside the training step (e.g. in `on_train_batch_end`, from values logged or returned), or keep"
+            " them out of training.",
+            stacklevel=2,
+        )
 
 
 def _clipping(trainer: Any) -> Clipping:

@@ -40,6 +40,7 @@ __all__ = [
     "check_optimizers",
     "layer_names",
     "tied_parameters",
+    "buffer_versions",
 ]
 
 
@@ -146,6 +147,19 @@ def _defines(model: nn.Module, method: str) -> bool:
 
 def _running_stats(module: nn.Module) -> bool:
     return isinstance(module, _NormBase) and module.track_running_stats
+
+
+def buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each buffer's identity and version (which a write in place bumps), by name, BatchNorm's left out
+    (the strategy keeps their statistics equal: ``batchnorm.py``), and those of other ranks' layers (meta)."""
+    versions = {}
+    for path, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            continue
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and not buffer.is_meta:
+                versions[f"{path}.{name}" if path else name] = (id(buffer), buffer._version)
+    return versions
 
 
 def check_replica_contract(model: nn.Module) -> list[nn.Module]:

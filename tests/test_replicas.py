@@ -7,6 +7,7 @@ batch, beside the CPU workers; the model is the one a single process trains (flo
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import lightning as L
 import pytest
 import torch
+from torch import nn
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from lightning_hetero import HeteroStrategy
@@ -159,3 +161,52 @@ class Toggle(L.Callback):
 def test_replicas_follow_a_moving_cpu_fraction(tmp_path: Path, mode: str, devices: int) -> None:
     strategy = hetero(stages=["cpu"] * devices, cpu_fraction=0.5, mode=mode)
     assert_same_run(tmp_path, strategy, callbacks=[Toggle()], accumulate_grad_batches=2)
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs in a buffer, updated in the training forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x - self.mean
+
+
+class RecordWarnings(L.Callback):
+    """Each rank writes the warnings raised while it trained to ``warnings<rank>.txt`` (a forked
+    process's warnings go to its own copy of pytest's record otherwise)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._catching.__exit__(None, None, None)
+        lines = [str(w.message) for w in self._caught]
+        (self.out_dir / f"warnings{trainer.global_rank}.txt").write_text("\n".join(lines))
+
+
+def test_a_buffer_the_training_step_writes_is_named_in_a_warning(tmp_path: Path) -> None:
+    """Each worker updates such a buffer from its own share: the run cannot be one process's, and says so."""
+
+    class WithRunningMean(TwoPass):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net.insert(1, RunningMean(16))
+
+    def warned(model: L.LightningModule, out: Path) -> list[str]:
+        out.mkdir()
+        trainer(hetero(cpu_fraction=0.5), max_steps=2, callbacks=[RecordWarnings(out)]).fit(model, regression_data())
+        return [path.read_text() for path in sorted(out.glob("warnings*.txt"))]
+
+    written = warned(WithRunningMean(), tmp_path / "buffer")
+    assert len(written) == 3 and all("training step changed its buffer(s) ['net.1.mean']" in w for w in written)
+    assert not any("changed its buffer" in w for w in warned(TwoPass(), tmp_path / "none"))
