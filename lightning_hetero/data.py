@@ -19,7 +19,7 @@ error names the rank.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -104,8 +104,10 @@ def check_before_launch(
     else:
         return
     for stage, loader in loaders:
+        if stage == RunningStage.TRAINING and isinstance(loader, (Mapping, list, tuple)):
+            _check_combined(dict(loader) if isinstance(loader, Mapping) else dict(enumerate(loader)))
         if not isinstance(loader, DataLoader):
-            continue  # a datamodule, a list of loaders, or nothing: checked in the processes
+            continue  # a datamodule, several loaders, or nothing: checked in the processes
         if stage != RunningStage.TRAINING:
             same_batches_on_every_rank(loader, stage)
         batch = peek_batch(loader)
@@ -117,6 +119,38 @@ def check_before_launch(
                 pipeline_pair(model, batch)
         except (TypeError, ValueError) as error:
             raise type(error)(f"The {stage.dataloader_prefix} dataloader's first batch: {error}") from None
+
+
+def _check_combined(loaders: Mapping[Any, Any]) -> None:
+    """Several training DataLoaders (a dict or list of them), which Lightning combines so that every step
+    takes a batch of each, cycling the shorter ones: each step's batch is divided between the workers by
+    samples, so all of a step's batches must hold as many. Refused where they would not: different batch
+    sizes, or a short last batch of one beside a full batch of another."""
+    sized = {
+        name: loader
+        for name, loader in loaders.items()
+        if isinstance(loader, DataLoader) and loader.batch_size and not isinstance(loader.dataset, IterableDataset)
+        and hasattr(loader.dataset, "__len__") and len(loader.dataset) and len(loader)
+    }
+    if len(sized) < 2 or len(sized) != len(loaders):
+        return
+    sizes = {name: loader.batch_size for name, loader in sized.items()}
+    last = {
+        name: loader.batch_size if loader.drop_last else len(loader.dataset) - (len(loader) - 1) * loader.batch_size
+        for name, loader in sized.items()
+    }
+    lengths = {len(loader) for loader in sized.values()}
+    uneven = len(set(sizes.values())) > 1 or (
+        any(last[name] != sizes[name] for name in sized) and (len(lengths) > 1 or len(set(last.values())) > 1)
+    )
+    if uneven:
+        described = ", ".join(f"{name!r}: batches of {sizes[name]}, the last of {last[name]}" for name in sized)
+        raise ValueError(
+            f"The training dataloaders give batches of different sizes in one step ({described}). Every step takes"
+            " a batch of each, and the hetero strategy divides a step's batch between its workers by samples, so"
+            " they must hold as many: give them one `batch_size`, and `drop_last=True` where a dataset's length"
+            " does not divide by it."
+        )
 
 
 def peek_batch(loader: DataLoader) -> Optional[Any]:

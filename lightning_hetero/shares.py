@@ -89,7 +89,9 @@ def batch_size_of(batch: Any) -> int:
             raise ValueError(
                 "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
                 f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
-                f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers)."
+                f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers); with"
+                " several training dataloaders, give them one `batch_size` (and `drop_last=True` where a dataset's"
+                " length does not divide by it)."
             )
         return tensors[0].shape[0]
     lengths = {len(values) for values in _leaves(batch, list) if values}

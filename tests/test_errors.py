@@ -206,6 +206,11 @@ CASES = {
         " along the first dimension of each of its tensors, so every tensor needs one row per sample; this batch holds"
         " tensors of shapes (4, 6), (3, 3)",
     ),
+    "training-loaders-of-different-batch-sizes": Bad(
+        lambda _: fit(data={"a": loader(X, Y), "b": DataLoader(TensorDataset(X[:10], Y[:10]), batch_size=4)}),
+        "The training dataloaders give batches of different sizes in one step ('a': batches of 4, the last of 4, 'b':"
+        " batches of 4, the last of 2)",
+    ),
     "val-samples-disagree": Bad(
         lambda _: fit(val=loader(X, Y, collate_fn=rows_disagree)),
         "The val dataloader's first batch: The hetero strategy divides every batch",

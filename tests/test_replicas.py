@@ -210,3 +210,19 @@ def test_a_buffer_the_training_step_writes_is_named_in_a_warning(tmp_path: Path)
     written = warned(WithRunningMean(), tmp_path / "buffer")
     assert len(written) == 3 and all("training step changed its buffer(s) ['net.1.mean']" in w for w in written)
     assert not any("changed its buffer" in w for w in warned(TwoPass(), tmp_path / "none"))
+
+
+class TwoLoaders(TwoPass):
+    """Trains on a batch of each of two training dataloaders every step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (xa, ya), (xb, yb) = batch["a"], batch["b"]
+        loss = nn.functional.mse_loss(self(xa), ya) + 0.5 * nn.functional.mse_loss(self(xb), yb)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_several_training_dataloaders_of_one_batch_size(tmp_path: Path) -> None:
+    """A dict of loaders, the shorter cycled (Lightning's default): each step's batches split alike."""
+    data = lambda: {"a": regression_data(n=48, batch_size=12), "b": regression_data(n=24, batch_size=12, seed=2)}  # noqa: E731
+    assert_same_run(tmp_path, hetero(cpu_fraction=0.5), TwoLoaders, data)
