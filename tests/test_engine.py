@@ -29,6 +29,7 @@ class FakeWorker:
     def __init__(self, calls: list, loss: float = 1.0, cpu_worker: bool = True, fail: bool = False) -> None:
         self.calls, self.loss, self.cpu_worker, self.fail = calls, loss, cpu_worker, fail
         self.param = nn.Parameter(torch.zeros(2))
+        self.module = nn.Module()  # the worker's model: no buffers
         self.fresh_grads: Optional[list] = None
         self.pace = 0.0
         self.policies: list[str] = []
