@@ -9,6 +9,7 @@ the callbacks can be set in YAML or as a flag (``--trainer.strategy.init_args.cp
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
 
 import lightning as L
@@ -42,6 +43,33 @@ class HeteroCLI(LightningCLI):
             run=run,
             **kwargs,
         )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError:
+            # jsonargparse reports a strategy's own error inside a dump of every type the option takes:
+            # where the strategy refuses its arguments, its message alone says what is wrong.
+            refused = self._strategy_error()
+            if refused is None:
+                raise
+            raise type(refused)(f"--trainer.strategy: {refused}") from None
+
+    def _strategy_error(self) -> Optional[Exception]:
+        """The error the configured strategy class raises for its arguments, if it does."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = config.get("trainer.strategy")
+        if not isinstance(getattr(strategy, "class_path", None), str):
+            return None
+        module, _, name = strategy.class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            cls(**(strategy.init_args.as_dict() if strategy.get("init_args") else {}))
+        except (ValueError, TypeError) as error:
+            return error
+        except Exception:
+            return None
+        return None
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # A recipe's own classes are the defaults, so its configs may leave out their class paths.

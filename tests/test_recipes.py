@@ -132,6 +132,14 @@ def test_bad_values_are_reported_before_anything_starts(args: list[str], message
     assert message in err.getvalue() + str(error.value)
 
 
+def test_a_strategy_that_refuses_its_arguments_says_why_alone(no_processes: None) -> None:
+    """Not inside jsonargparse's dump of every type `trainer.strategy` takes."""
+    with pytest.raises(ValueError) as error:
+        main(["fit", "--config", str(CONFIGS[0]), "--trainer.strategy.init_args.schedule", "DualPipeV"])
+    assert str(error.value).startswith("--trainer.strategy: Schedule DualPipeV cannot run `micro_batches=2`")
+    assert "Union" not in str(error.value)
+
+
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_files_round_trip(tmp_path: Path, gz: bool) -> None:
     images = torch.randint(0, 256, (5, 28, 28), dtype=torch.uint8)
