@@ -58,7 +58,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
-from lightning_hetero.topology import RanksGone
+from lightning_hetero.topology import RanksGone, recorded_failures
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -265,7 +265,11 @@ class _Script(_SubprocessScriptLauncher):
         try:
             return function(*args, **kwargs)
         except BaseException as error:
+            first = recorded_failures(range(1, self._strategy.world_size))
             watch.stop()
+            if first and not isinstance(error, RanksGone):
+                _, where, text = first[0]
+                error.add_note(f"[hetero] The first failure: {where} raised {text} (its traceback is printed above).")
             for note in watch.failures() if not isinstance(error, RanksGone) else []:  # it names them
                 error.add_note(note)
             raise

@@ -63,7 +63,7 @@ from lightning_hetero.record import StepRecord
 from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.state import move_materialized
-from lightning_hetero.topology import ProcessGroups, StagesArg, connect, resolve_stage_devices
+from lightning_hetero.topology import ProcessGroups, StagesArg, connect, record_failure, resolve_stage_devices
 from lightning_hetero.workers import check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
@@ -466,6 +466,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         # In the main process of a fork/spawn run (no process group) the error is a worker's, described there.
         if _distributed_is_initialized():
             exception.add_note(self.describe_rank())
+            if self.global_rank != 0:  # global rank 0 tells which rank failed first (`launcher._Script`)
+                record_failure(exception, self.rank_name(self.local_rank))
 
     def rank_name(self, local_rank: int) -> str:
         """A process of this node, for messages: ``global rank 2 (stage1 of <the layout>)``."""

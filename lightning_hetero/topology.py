@@ -35,6 +35,8 @@ __all__ = [
     "pin_to",
     "usable_cores",
     "restart_store",
+    "record_failure",
+    "recorded_failures",
     "gather_object_to",
     "tied_groups",
     "destroy_process_groups",
@@ -410,6 +412,36 @@ def connect(
     atexit.register(destroy_process_groups)
     _all_arrive(topology.world_size, timeout, gone)
     return build_process_groups(topology, global_rank, timeout)
+
+
+def record_failure(error: BaseException, where: str) -> None:
+    """Note in the run's store that this rank failed, in which order and with what (``where``: the rank,
+    for messages), so that global rank 0 can name the first failure where it cannot see the exception
+    (popen: the other ranks are other programs). Best effort: a store already gone records nothing."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        order = store.add("hetero/failures", 1)
+        while error.__cause__ is not None:  # what torch's pipelining wraps, e.g., is the step's own error
+            error = error.__cause__
+        text = (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:400]
+        store.set(f"hetero/failure/{dist.get_rank()}", f"{order}\t{where}\t{text}")
+    except Exception:
+        pass
+
+
+def recorded_failures(ranks: Sequence[int]) -> list[tuple[int, str, str]]:
+    """The failures ``record_failure`` noted for ``ranks``: (order, the rank, the error), in order."""
+    found = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for rank in ranks:
+            key = f"hetero/failure/{rank}"
+            if store.check([key]):
+                order, where, text = store.get(key).decode().split("\t", 2)
+                found.append((int(order), where, text))
+    except Exception:
+        return []
+    return sorted(found)
 
 
 class RanksGone(RuntimeError):

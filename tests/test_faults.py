@@ -145,6 +145,20 @@ def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
     assert time.monotonic() - start < 120  # three interpreters start on one core; no collective timed out
 
 
+def test_a_popen_run_names_the_rank_that_raised_first(tmp_path: Path) -> None:
+    """popen: the other ranks are other programs, so rank 0 cannot raise their exception; its error says
+    which rank failed first and with what (the ranks that failed after it only lost their peer)."""
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--fault", "2:6:raise"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode != 0
+    assert f"[hetero] The first failure: global rank 2 (stage1 of {LAYOUT}) raised RuntimeError: injected fault" in run.stderr
+
+
 def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path: Path, reference: dict) -> None:
     """`ModelCheckpoint(save_last=True)` and `fit(ckpt_path="last")`: a stage killed in step 6 of the
     first attempt, torchrun restarts every process, and the run continues from step 4 to the same model."""
