@@ -46,6 +46,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -364,6 +365,15 @@ class HeteroLauncher(_Launcher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        environment = self._strategy.cluster_environment
+        started_here = environment is None or not environment.creates_processes_externally
+        if self._strategy.num_nodes > 1 and started_here and not {"NODE_RANK", "GROUP_RANK"} & set(os.environ):
+            raise ValueError(
+                f"`num_nodes={self._strategy.num_nodes}` needs this script started on every node: under torchrun or"
+                " srun on each, or, with the strategy's own launch, with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT`"
+                " set on each (docs/launching.md). Here no node rank is set, and the other nodes would be waited for"
+                " until the timeout."
+            )
         model = args[0] if args and isinstance(args[0], LightningModule) else None
         if model is None and trainer is not None:
             model = trainer.lightning_module
@@ -372,6 +382,12 @@ class HeteroLauncher(_Launcher):
             self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
+            if pipeline and any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+                raise ValueError(
+                    "`StochasticWeightAveraging` averages every parameter of the model on every rank, but in a pipeline"
+                    " a stage holds only its own layers while training (the others' exist on the meta device there)."
+                    " Train the model as replicas (`parallelism='replicas'`), where it works, or leave it out."
+                )
             check_before_launch(trainer, model, args, pairs=pipeline)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:

@@ -5,6 +5,7 @@ ends the run at the first step, naming the rank. Either way no process is left r
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 import numpy as np
 import pytest
 import torch
@@ -94,6 +96,19 @@ def fit(
 ) -> None:
     strategy = strategy or hetero(cpu_fraction=0.5)
     trainer(strategy, max_steps=1, **kwargs).fit(model or Net(), data if data is not None else regression_data(), val)
+
+
+def as_node_zero(run: Callable[[], Any]) -> Any:
+    """``run()`` as node 0 of several, started with the strategy's own launch (``NODE_RANK`` set)."""
+    before = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = "0"
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = before
 
 
 def plan_file(directory: Path, **changes: Any) -> Path:
@@ -206,6 +221,13 @@ CASES = {
         " along the first dimension of each of its tensors, so every tensor needs one row per sample; this batch holds"
         " tensors of shapes (4, 6), (3, 3)",
     ),
+    "weight-averaging-of-a-pipeline": Bad(
+        lambda _: fit(callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]),
+        "`StochasticWeightAveraging` averages every parameter of the model on every rank, but in a pipeline",
+    ),
+    "several-nodes-without-a-launch": Bad(
+        lambda _: fit(num_nodes=2), "`num_nodes=2` needs this script started on every node: under torchrun or srun"
+    ),
     "training-loaders-of-different-batch-sizes": Bad(
         lambda _: fit(data={"a": loader(X, Y), "b": DataLoader(TensorDataset(X[:10], Y[:10]), batch_size=4)}),
         "The training dataloaders give batches of different sizes in one step ('a': batches of 4, the last of 4, 'b':"
@@ -233,7 +255,7 @@ CASES = {
     ),
     "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
     "a-node-never-starts": Bad(
-        lambda _: fit(strategy=hetero(timeout=2), num_nodes=2),
+        lambda _: as_node_zero(lambda: fit(strategy=hetero(timeout=2), num_nodes=2)),
         "not all 6 processes of the layout joined within the timeout (2 s). With `num_nodes=2`, start the same"
         " command on every node",
         in_run=True,
