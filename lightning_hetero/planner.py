@@ -672,6 +672,11 @@ def plan_run(
     ``encoder_layers``: the first layers up to the last that takes in the output of an encoder placed
     on another process. A zero-bubble schedule's split backward gives a stage after the first no
     gradient to send back for it, so with those schedules they stay in the first stage."""
+    if len(machine.stages) > len(profile.layers):
+        raise ValueError(
+            f"A pipeline of {len(machine.stages)} stage processes needs a block each, and the model has"
+            f" {len(profile.layers)}: use at most {len(profile.layers)} stages, or replicas."
+        )
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers))
     found = []
     kept_out = False  # a zero-bubble schedule that fits only where the encoders' blocks may leave its first stage
@@ -1427,6 +1432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.bucket_size_mb,
             per_process,
             encoder_layers=args.encoder_layers,
+            require=None if args.parallelism == "auto" else args.parallelism,
         )
         chosen = next(iter(layouts)) if args.parallelism == "auto" else args.parallelism
         if chosen not in layouts:

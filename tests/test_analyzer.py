@@ -277,6 +277,9 @@ def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         planner_main([str(tmp_path / "missing.json")])
     assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # more GPUs than blocks: not a question of memory
+        planner_main([str(profile), "--gpus", "8"])
+    assert "A pipeline of 8 stage processes needs a block each, and the model has 6" in capsys.readouterr().err
 
 
 def _net() -> L.LightningModule:
