@@ -357,12 +357,27 @@ def partition(
         return cut(machine)
     bounds = cut(whole, refuse=False)
     if bounds is not None:
-        activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * micro_batch for b in bounds]
-        peaks = _activation_peaks(actions, activations)
-        memory = [peak + _stage_memory(profile, layers, 0.0) for peak, layers in zip(peaks, _process_layers(bounds, owner))]
+        memory = _process_memory(profile, bounds, _process_layers(bounds, owner), actions, micro_batch)
         if _memory_fits(profile, machine, bounds, memory, offloadable, schedule):
             return bounds
     return cut(_by_stage(machine, owner))
+
+
+def _process_memory(
+    profile: Profile,
+    bounds: Sequence[tuple[int, int]],
+    layers_of: Sequence[Sequence[int]],
+    actions: Optional[Sequence[Sequence[Action]]],
+    micro_batch: float,
+) -> list[float]:
+    """Each stage process's bytes (``layers_of``: its layers): weights, gradients and optimizer state (a
+    tied weight once), and the most activations of ``micro_batch`` samples its stages hold at once in
+    the schedule's order (``actions``; None: no pipeline share, no activations)."""
+    peaks = [0.0] * len(layers_of)
+    if actions is not None:
+        activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * micro_batch for b in bounds]
+        peaks = _activation_peaks(actions, activations)
+    return [peak + _stage_memory(profile, layers, 0.0) for peak, layers in zip(peaks, layers_of)]
 
 
 def _cut(
@@ -996,7 +1011,7 @@ def _buckets(profile: Profile, bounds: Sequence[tuple[int, int]], bucket_bytes: 
         else:
             within.append(tied)
     buckets = make_buckets([layer.params for layer in profile.layers], bounds, bucket_bytes, list(across))
-    home = {id(t): max(k for k, b in enumerate(buckets) if b.layers[0] <= min(t.layers) < b.layers[1]) for t in within}
+    home = {id(t): next(k for k, b in enumerate(buckets) if b.layers[0] <= min(t.layers) < b.layers[1]) for t in within}
     sized = []
     for k, b in enumerate(buckets):
         if b.tied:
@@ -1072,11 +1087,8 @@ def predict(
             for role, speed, b in zip(staged.stages, staged.stage_speed, bounds)
         )
         tail = max(0.0, tail - window)
-    held = [0.0] * processes
-    if pipeline_samples:
-        activations = [sum(profile.layers[i].activation_bytes for i in range(*b)) * u for b in bounds]
-        held = _activation_peaks(schedule_actions(schedule, processes, per_process, micro_batches), activations)
-    memory = [held[r] + _stage_memory(profile, layers_of[r], 0.0) for r in range(processes)]
+    actions = schedule_actions(schedule, processes, per_process, micro_batches) if pipeline_samples else None
+    memory = _process_memory(profile, bounds, layers_of, actions, u)
     return Prediction(
         step_s=max(pipe, cpu, cores) + tail + profile.step_overhead_s,
         pipeline_s=pipe,

@@ -143,7 +143,7 @@ class Placement:
     def buckets(self, bucket_bytes: int) -> list[tuple[Bucket, list[nn.Parameter]]]:
         """Fine mode's buckets and their parameters, each parameter in one: the stages' layers, then each
         set of tied parameters. A parameter that layers of two buckets of one stage use (a tied weight
-        within a stage: GPT-2's embedding and head on one replica) is in the later bucket, its earliest
+        within a stage: GPT-2's embedding and head on a pipeline's one stage) is in the later bucket, its earliest
         use's, whose backward completes its gradient."""
         buckets = make_buckets(self.layers, self.bounds, bucket_bytes, [t.stages for t in self.tied])
         tied = self.tied_by_stages()

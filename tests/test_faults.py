@@ -128,17 +128,23 @@ def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_intact(
     assert_resumes_exactly(tmp_path, reference, at_step=4)
 
 
-def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
-    """popen: rank 0 is the main process; it stops the other ranks' processes and names the one that died."""
-    start = time.monotonic()
+def popen_with_fault(out: Path, fault: str) -> subprocess.CompletedProcess:
+    """The external script under popen with ``--fault`` (``RANK:STEP:HOW``); it must fail."""
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--fault", "2:6:kill"],
+        [sys.executable, str(SCRIPT), str(out), "--popen", "--fault", fault],
         env=clean_env(),
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert run.returncode != 0
+    return run
+
+
+def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
+    """popen: rank 0 is the main process; it stops the other ranks' processes and names the one that died."""
+    start = time.monotonic()
+    run = popen_with_fault(tmp_path, "2:6:kill")
     assert f"[hetero] global rank 2 (stage1 of {LAYOUT}) was killed by SIGKILL" in run.stderr
     pids = [int((tmp_path / f"pid{r}.txt").read_text()) for r in range(3)]
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
@@ -148,14 +154,7 @@ def test_a_killed_stage_ends_a_popen_run_and_names_it(tmp_path: Path) -> None:
 def test_a_popen_run_names_the_rank_that_raised_first(tmp_path: Path) -> None:
     """popen: the other ranks are other programs, so rank 0 cannot raise their exception; its error says
     which rank failed first and with what (the ranks that failed after it only lost their peer)."""
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--fault", "2:6:raise"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode != 0
+    run = popen_with_fault(tmp_path, "2:6:raise")
     assert f"[hetero] The first failure: global rank 2 (stage1 of {LAYOUT}) raised RuntimeError: injected fault" in run.stderr
 
 
