@@ -1168,12 +1168,14 @@ def explain(
     measured_step_s: Optional[float] = None,
     alternative: Optional[tuple[HeteroPlan, Prediction]] = None,
     loading: Optional[tuple[LoaderTimes, CoreSplit]] = None,
+    machine: Optional[Machine] = None,
 ) -> str:
     """A table: per layer, its time on each profiled device and the stage it was placed on;
     then the predicted step (and the measured one, once training has run), and the best layout of
     the other parallelism (``alternative``, from ``compare_layouts``) beside it; and the training
     DataLoader's measured time per batch by worker processes with the split of the cores chosen
-    from it (``loading``)."""
+    from it (``loading``). ``machine``: a machine the profile was not taken on
+    (``hypothetical_machine``); given its cores, they are described instead of the profile's."""
     roles = list(profile.devices)
     names = [layer.name for layer in profile.layers]
     bounds = plan.cut(names) or ([(0, len(names))] if len(plan.stages) * plan.stages_per_process == 1 else [])
@@ -1220,7 +1222,13 @@ def explain(
         rows.append(ScheduleChoice.HEADER)
         rows += [choice.row() for choice in prediction.considered]
         rows.append("")
-    if profile.numa_nodes:
+    if machine is not None and machine.cpu_threads is not None:
+        rows.append(
+            f"CPU: {machine.cores} cores (as given); {machine.cpu_workers} CPU worker(s) of {machine.cpu_threads}"
+            f" thread(s) each, one core kept per stage process (the profile's CPU worker had"
+            f" {profile.devices['cpu'].threads})"
+        )
+    elif profile.numa_nodes:
         rows.append(cpu_workers_line(profile.numa_nodes, plan))
     if loading is not None:
         times, split = loading
@@ -1454,7 +1462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(str(error))
     print(plan.table())
     print()
-    print(explain(profile, plan, prediction, alternative=next(iter(layouts.values()), None)))
+    print(explain(profile, plan, prediction, alternative=next(iter(layouts.values()), None), machine=machine))
     if args.save:
         print(f"\nplan written to {plan.save(args.save)}")
 

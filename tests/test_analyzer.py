@@ -271,6 +271,7 @@ def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsy
     assert plan.stages == [f"cuda:{i}" for i in range(4)] and len(plan.boundaries) == 3
     assert "predicted step" in printed and "bubble" in printed and "cuda:3" in printed
     assert "parallelism='replicas' (the whole model on every device)" in printed  # weighed beside it
+    assert "CPU: 32 cores (as given); 1 CPU worker(s) of 28 thread(s) each" in printed  # not the profile's cores
     planner_main([*args[:-2], "--parallelism", "auto", "--save", str(tmp_path / "best.yaml")])
     best = HeteroPlan.load(tmp_path / "best.yaml")
     assert plan.parallelism == "pipeline" and best.predicted_step_s <= plan.predicted_step_s  # the faster one
