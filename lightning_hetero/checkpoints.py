@@ -32,7 +32,7 @@ __all__ = ["StageCheckpoints"]
 class StageCheckpoints:
     """Mixin for the hetero strategy: Lightning's checkpoint hooks. The strategy provides
     ``_engine`` (its step engine once set up), ``whole_model_on_rank_zero``, ``bucket_steps``,
-    ``control_group`` and ``refresh_replicas``."""
+    ``control_group``, ``refresh_replicas`` and ``every_rank`` (``collectives.py``)."""
 
     _engine: Optional[StepEngine]
     _checkpoint_io: Optional[CheckpointIO]
@@ -52,12 +52,17 @@ class StageCheckpoints:
         self._checkpoint_io = io
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.refresh_replicas()  # every rank calls this when a checkpoint is written
-        if self.whole_model_on_rank_zero:
-            return super().lightning_module_state_dict()  # type: ignore[misc]
-        return gather_module_state(self.lightning_module, self.control_group)
+        with self.every_rank("Writing a checkpoint"):
+            self.refresh_replicas()  # every rank calls this when a checkpoint is written
+            if self.whole_model_on_rank_zero:
+                return super().lightning_module_state_dict()  # type: ignore[misc]
+            return gather_module_state(self.lightning_module, self.control_group)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        with self.every_rank("Writing a checkpoint"):
+            return self._optimizer_state(optimizer)
+
+    def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         state = with_offloaded_state(optimizer, self.bucket_steps)
         if self._engine is not None and self._engine.worker.sharding is not None:

@@ -9,6 +9,8 @@ copy and come back on their device), and ``gather`` for any picklable object.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
@@ -30,14 +32,37 @@ class ControlCollectives:
     def control_group(self) -> Optional[dist.ProcessGroup]:
         raise NotImplementedError
 
+    def ranks_gone(self) -> Optional[str]:
+        """Between trainer calls: which ranks of the run this process can tell have ended (``None``:
+        none, or it cannot tell)."""
+        return None
+
+    @contextmanager
+    def every_rank(self, what: str) -> Iterator[None]:
+        """Collectives that every rank must reach, as with DDP: where one fails because a rank has
+        left the script, the error says which and why."""
+        try:
+            yield
+        except RuntimeError as error:  # gloo: "Connection closed by peer"
+            gone = self.ranks_gone()
+            if gone:
+                error.add_note(
+                    f"[hetero] {what} needs every rank, but since the last trainer call {gone}. Every rank runs"
+                    " the script's trainer calls and `trainer.save_checkpoint`, as with DDP: call them on every"
+                    " rank, not under `if trainer.is_global_zero:`."
+                )
+            raise
+
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
         """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
         collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
         group = self.control_group
         if dst is not None:
-            return gather_object_to(obj, dst, group) or []
+            with self.every_rank("Gathering"):
+                return gather_object_to(obj, dst, group) or []
         objects: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(objects, obj, group=group)
+        with self.every_rank("Gathering"):
+            dist.all_gather_object(objects, obj, group=group)
         return objects
 
     def reduce(
@@ -45,19 +70,23 @@ class ControlCollectives:
     ) -> Union[Tensor, Any]:
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        return _sync_ddp(tensor.cpu(), group=group or self.control_group, reduce_op=reduce_op).to(tensor.device)
+        with self.every_rank("Reducing"):
+            return _sync_ddp(tensor.cpu(), group=group or self.control_group, reduce_op=reduce_op).to(tensor.device)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self.control_group, sync_grads=sync_grads)
+        with self.every_rank("Gathering"):
+            gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self.control_group, sync_grads=sync_grads)
         return gathered.to(tensor.device)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier(group=self.control_group)
+            with self.every_rank(f"The barrier {name!r}" if name else "A barrier"):
+                dist.barrier(group=self.control_group)
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=self.control_group)
+        with self.every_rank("Broadcasting"):
+            dist.broadcast_object_list(box, src, group=self.control_group)
         return box[0]

@@ -274,6 +274,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     # ------------------------------------------------------------------- setup
 
     @override
+    def ranks_gone(self) -> Optional[str]:
+        return self.launcher.ranks_gone_between_calls() if isinstance(self.launcher, HeteroLauncher) else None
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         keep_freed_memory()  # every step frees and allocates its gradients again (`devices.py`)

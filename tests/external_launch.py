@@ -22,7 +22,8 @@ run (torchrun's `--max-restarts`) continues from the last checkpoint; rank 0 wri
 restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays the model out in
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit; otherwise
-the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit.
+the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit (the other
+ranks also do with `--checkpoint-after-exit`).
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
 `BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
+    parser.add_argument("--checkpoint-after-exit", action="store_true", help="the others save a checkpoint anyway")
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
@@ -104,7 +106,7 @@ def main() -> None:
         (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if t.global_rank == args.exit_after_fit:
         sys.exit(3)
-    if args.exit_after_fit is None:  # every rank takes part in writing a checkpoint
+    if args.exit_after_fit is None or args.checkpoint_after_exit:  # every rank takes part in writing a checkpoint
         t.save_checkpoint(args.out_dir / "after_fit.ckpt")  # the whole optimizer state, as a plain fit leaves it
     # Code after fit reads the whole trained model on every rank, as under DDP.
     held = {k: v.clone() for k, v in model.state_dict().items()}

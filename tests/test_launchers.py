@@ -247,3 +247,14 @@ def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Pa
     assert done.returncode != 0
     assert "since the previous one global rank 2 (stage1" in done.stderr and "exited with code 3." in done.stderr
     assert time.perf_counter() - started < TIMEOUT
+
+
+def test_a_rank_gone_after_fit_is_named_when_the_others_save_a_checkpoint(tmp_path: Path) -> None:
+    """popen: `trainer.save_checkpoint` is a collective, as under DDP; a rank that left the script
+    (or a call under `if trainer.is_global_zero:`) fails it with the rank named, not only gloo's
+    "Connection closed by peer"."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--exit-after-fit=2", "--checkpoint-after-exit"]
+    done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
+    assert done.returncode != 0
+    named = "needs every rank, but since the last trainer call global rank 2 (stage1"
+    assert named in done.stderr and "exited with code 3" in done.stderr, done.stderr[-3000:]
