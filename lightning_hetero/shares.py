@@ -81,7 +81,8 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch: the first dimension of its tensors, which must agree, since
     every tensor of a batch is divided between the workers along it (``slice_batch``). A batch
-    without tensors counts the items of its lists of plain values (per-sample strings, ids)."""
+    without tensors counts the items of its lists of plain values (per-sample strings, ids) or of
+    its lists of samples (``_samples``: a DataLoader with ``collate_fn=list``)."""
     tensors = [t for t in _leaves(batch, Tensor) if t.dim() > 0]
     if tensors:
         if len({t.shape[0] for t in tensors}) > 1:
@@ -99,7 +100,7 @@ def batch_size_of(batch: Any) -> int:
         return lengths.pop()
     raise TypeError(
         f"Cannot tell the batch size of a {type(batch).__name__}: a batch needs tensors with one row per sample,"
-        " or lists with one value per sample."
+        " or lists with one value or one sample per sample."
     )
 
 
@@ -107,7 +108,7 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Samples ``[start, stop)`` of a batch of any structure Lightning takes (dicts, lists, tuples,
     named tuples, dataclasses, mappings such as a tokenizer's ``BatchEncoding``): every tensor with
     one row per sample is sliced, and so is every list of plain values with one per sample (strings,
-    ids); what is not per sample (a 0-dim tensor, a number, a list of another length) goes to every
+    ids) and every list of samples (``_samples``); what is not per sample (a 0-dim tensor, a number, a list of another length) goes to every
     worker whole."""
     return _slice(batch, start, stop, batch_size_of(batch))
 
@@ -121,7 +122,7 @@ def _slice(batch: Any, start: int, stop: int, size: int) -> Any:
     if _is_namedtuple(batch):
         return type(batch)(*(_slice(v, start, stop, size) for v in batch))
     if isinstance(batch, (tuple, list)):
-        if _plain_values(batch) and len(batch) == size:
+        if (_plain_values(batch) or _samples(batch)) and len(batch) == size:
             return batch[start:stop]
         return type(batch)(_slice(v, start, stop, size) for v in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -139,12 +140,56 @@ def _leaves(batch: Any, kind: type) -> list[Any]:
     if isinstance(batch, Mapping):
         return [leaf for value in batch.values() for leaf in _leaves(value, kind)]
     if isinstance(batch, (tuple, list)):
-        if kind is list and not _is_namedtuple(batch) and batch and _plain_values(batch):
-            return [batch]
+        if not _is_namedtuple(batch) and batch and (_plain_values(batch) or _samples(batch)):
+            return [batch] if kind is list else []
         return [leaf for value in batch for leaf in _leaves(value, kind)]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return [leaf for f in dataclasses.fields(batch) for leaf in _leaves(getattr(batch, f.name), kind)]
     return []
+
+
+def _samples(values: Sequence[Any]) -> bool:
+    """Whether a list holds samples, each as the dataset gave it (a DataLoader with
+    ``collate_fn=list``, for inputs of different sizes), rather than the fields of a collated batch
+    (``default_collate`` turns a sample ``((a, b), (c, d))`` into ``[[A, B], [C, D]]``). Its items
+    are records of one kind: tuples, dicts, named tuples or dataclasses of the same fields. They are
+    samples where they are tuples (collating makes lists of them), or where what they hold could
+    not be collated rows: a number, a string, a 0-dim tensor, or tensors whose first dimensions
+    differ."""
+    if _is_namedtuple(values) or len(values) < 1 or not all(_is_record(v) for v in values):
+        return False
+    kind = _fields(values[0])
+    if any(_fields(v) != kind for v in values[1:]):
+        return False
+    if all(type(v) is tuple for v in values):
+        return True
+    leaves = [leaf for v in values for leaf in _record_leaves(v)]
+    if any(not isinstance(leaf, Tensor) or leaf.dim() == 0 for leaf in leaves):
+        return True
+    return len({leaf.shape[0] for leaf in leaves}) > 1
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, (tuple, Mapping)) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def _fields(record: Any) -> tuple[Any, ...]:
+    if isinstance(record, Mapping):
+        return (type(record), *record.keys())
+    if dataclasses.is_dataclass(record):
+        return (type(record), *(f.name for f in dataclasses.fields(record)))
+    return (type(record), len(record))
+
+
+def _record_leaves(value: Any) -> list[Any]:
+    """What a sample holds, all the way down: tensors and plain values."""
+    if isinstance(value, Mapping):
+        return [leaf for v in value.values() for leaf in _record_leaves(v)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _record_leaves(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [leaf for f in dataclasses.fields(value) for leaf in _record_leaves(getattr(value, f.name))]
+    return [value]
 
 
 def _plain_values(values: Sequence[Any]) -> bool:

@@ -242,6 +242,25 @@ def captioned_data(n: int = 44, batch_size: int = 12) -> DataLoader:
     return DataLoader(CaptionedData(n), batch_size=batch_size, collate_fn=collate)
 
 
+class SampleList(TwoPass):
+    """Batches are lists of samples, each a (sequence, target) pair as its dataset gives it: a
+    DataLoader with `collate_fn=list`, as for inputs of different sizes."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        pooled = torch.stack([sequence.mean(dim=0) for sequence, _ in batch])
+        loss = nn.functional.mse_loss(self(pooled), torch.stack([target for _, target in batch]))
+        self.log("train_loss", loss)
+        return loss
+
+
+def sample_list_data(n: int = 44, batch_size: int = 12) -> DataLoader:
+    """Sequences of 3 steps with a target of 3 values: every tensor of a sample has 3 rows, as
+    many as a batch could have."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(n, 3, 6, generator=g), torch.randn(n, 3, generator=g))
+    return DataLoader(data, batch_size=batch_size, collate_fn=list)
+
+
 class TinyGPT2(L.LightningModule):
     """A Hugging Face GPT-2 built from a config (no download), trained through its own loss on dict
     batches, its input and output embeddings tied."""

@@ -22,6 +22,7 @@ from lightning_hetero import HeteroStrategy
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
     Captioned,
+    SampleList,
     TinyGPT2,
     TwoPass,
     captioned_data,
@@ -30,6 +31,7 @@ from tests.models import (
     demo_transformer,
     read_metrics,
     regression_data,
+    sample_list_data,
     token_data,
 )
 
@@ -99,6 +101,11 @@ def test_replicas_accumulate_and_clip_as_one_process(tmp_path: Path, mode: str) 
 def test_a_batch_with_a_caption_per_sample(tmp_path: Path) -> None:
     """Dict batches holding a list of strings with one per sample, and a per-batch number."""
     assert_same_run(tmp_path, hetero(cpu_fraction=0.5), Captioned, captioned_data)
+
+
+def test_a_batch_that_is_a_list_of_samples(tmp_path: Path) -> None:
+    """`collate_fn=list`: the list is divided between the workers, not each sample's tensors."""
+    assert_same_run(tmp_path, hetero(cpu_fraction=0.5), SampleList, sample_list_data)
 
 
 def test_a_hugging_face_causal_lm_through_its_own_loss(tmp_path: Path) -> None:

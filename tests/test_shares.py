@@ -96,6 +96,32 @@ def test_a_batch_of_only_per_sample_lists_counts_their_items() -> None:
     assert slice_batch(batch, 1, 3) == {"prompts": ["c", "d e f"], "ids": [12, 13]}
 
 
+def test_a_list_of_samples_is_split_by_its_items() -> None:
+    """`collate_fn=list` (inputs of different sizes) gives a list of the dataset's samples: the list
+    is divided, not the samples' own tensors, even where those happen to share a first dimension."""
+    sequences = [torch.full((12, 3), float(i)) for i in range(10)]
+    tuples = list(zip(sequences, torch.arange(10)))  # a TensorDataset's (input, 0-dim label) samples
+    assert batch_size_of(tuples) == 10
+    assert [int(label) for _, label in slice_batch(tuples, 7, 10)] == [7, 8, 9]
+    assert slice_batch(tuples, 7, 10)[0][0].shape == (12, 3)
+    varied = [(torch.zeros(n, 3), torch.ones(n)) for n in (4, 2, 7)]  # no 0-dim values: tuples still
+    assert batch_size_of(varied) == 3 and slice_batch(varied, 1, 2)[0][0].shape == (2, 3)
+    records = [{"tokens": torch.zeros(n), "label": n % 2} for n in (5, 5, 6, 5)]
+    assert batch_size_of({"items": records, "ids": [1, 2, 3, 4]}) == 4
+    assert slice_batch({"items": records, "ids": [1, 2, 3, 4]}, 2, 4) == {"items": records[2:], "ids": [3, 4]}
+    with_rows = {"samples": tuples, "weights": torch.ones(10)}  # a list of samples beside rows agrees with them
+    assert batch_size_of(with_rows) == 10 and slice_batch(with_rows, 0, 4)["weights"].shape == (4,)
+
+
+def test_collated_fields_that_are_records_are_not_taken_for_samples() -> None:
+    """`default_collate` turns a sample `((a, b), (c, d))` into `[[A, B], [C, D]]`, and a sample of
+    two dicts into a list of two dicts of rows: those are divided row by row."""
+    nested = [[torch.zeros(6, 2), torch.ones(6)], [torch.zeros(6), torch.ones(6, 4)]]
+    assert batch_size_of(nested) == 6 and slice_batch(nested, 0, 2)[1][1].shape == (2, 4)
+    dicts = [{"x": torch.zeros(6, 2)}, {"x": torch.ones(6, 5)}]
+    assert batch_size_of(dicts) == 6 and slice_batch(dicts, 0, 2)[1]["x"].shape == (2, 5)
+
+
 def test_a_tokenizers_batch_encoding_keeps_its_type() -> None:
     batch = transformers.BatchEncoding({"input_ids": torch.arange(8).view(4, 2), "attention_mask": torch.ones(4, 2)})
     part = slice_batch(batch, 1, 3)
