@@ -74,9 +74,10 @@ class Role:
         return self.is_stage and self.index == self.num_stages - 1
 
     @property
-    def is_first_device(self) -> bool:
-        """The first device rank of its node (its stage 0, or its first replica)."""
-        return not self.is_cpu_worker and self.index == 0
+    def counts_own_samples(self) -> bool:
+        """Whether no other rank of its node computes this rank's samples: a CPU worker, a device
+        replica, or the first stage (every stage computes the pipeline's share)."""
+        return self.kind in ("cpu", "replica") or self.index == 0
 
     def __str__(self) -> str:
         return f"{self.kind}{self.index}"

@@ -541,6 +541,11 @@ class DeviceReplica(SoleStage):
         return shares.device_part(self.index, self.count)
 
     @override
+    def recorded_samples(self, shares: Shares, report: WorkerReport) -> int:
+        start, stop = self._range(shares)
+        return stop - start
+
+    @override
     def sum_over(self, params: list[nn.Parameter], stage: int) -> SumOver:
         return SumOver(params, self.placement.sync_groups[stage], self.devices)
 

@@ -82,6 +82,21 @@ def test_csv_logger_holds_every_device_key(tmp_path: Path) -> None:
         check_device_keys(row)
 
 
+def test_device_replicas_each_count_their_own_part(tmp_path: Path) -> None:
+    """Replicas: each device computes its own part of the devices' share, so its samples and share
+    are that part's, and the run's throughput counts every replica's (a pipeline counts its first
+    stage's, as every stage computes the same samples)."""
+    monitor = UtilizationMonitor(every_n_steps=2, compare_steps=0)
+    strategy = hetero(cpu_fraction=0.5, parallelism="replicas")
+    trainer(strategy, tmp_path, max_steps=4, callbacks=[monitor]).fit(Net(), regression_data(n=48))
+    rows = read_metrics(tmp_path)
+    (shares,) = [row for row in rows if "hetero/cpu0/share" in row]
+    assert [shares[f"hetero/{d}/share"] for d in ("cpu0", "replica0", "replica1")] == [0.5, 0.25, 0.25]
+    (last,) = [row for row in rows if "throughput/samples_per_s" in row and int(row["step"]) == 4]
+    parts = sum(last[f"util/{d}/samples_per_s"] for d in ("cpu0", "replica0", "replica1"))
+    assert last["throughput/samples_per_s"] == pytest.approx(parts, rel=0.25)
+
+
 def test_device_stats_monitor_shows_every_device(tmp_path: Path) -> None:
     trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=3, callbacks=[DeviceStatsMonitor()]).fit(
         Net(), regression_data()

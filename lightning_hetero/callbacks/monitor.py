@@ -308,10 +308,10 @@ class UtilizationMonitor(L.Callback):
             for key, value in {**values, **stats}.items():
                 metrics[f"util/{names[rank]}/{key}"] = value
         seconds = sum(r.total for r in records)
-        if seconds > 0:  # each sample once: the CPU workers' shares and the first device's per node
+        if seconds > 0:  # each sample once: the CPU workers' and replicas' shares, and the first stage's
             topology = strategy.topology
             roles = [topology.role(rank % topology.procs_per_node) for rank in range(len(gathered))]
-            counted = [samples for role, (_, _, samples) in zip(roles, gathered) if role.is_cpu_worker or role.is_first_device]
+            counted = [samples for role, (_, _, samples) in zip(roles, gathered) if role.counts_own_samples]
             metrics["throughput/samples_per_s"] = sum(counted) / seconds
         self.last = metrics
         for logger in trainer.loggers:
@@ -357,7 +357,7 @@ class UtilizationMonitor(L.Callback):
     ) -> None:
         topology, names = strategy.topology, strategy.device_names
         roles = [topology.role(rank % topology.procs_per_node) for rank in range(len(totals))]
-        counted = sum(t.samples for role, t in zip(roles, totals) if role.is_cpu_worker or role.is_first_device)
+        counted = sum(t.samples for role, t in zip(roles, totals) if role.counts_own_samples)
         devices = {
             name: {**t.shares(), "share": t.samples * topology.num_nodes / counted if counted else 0.0}
             for name, t in zip(names, totals)
