@@ -46,7 +46,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -394,6 +394,7 @@ class HeteroLauncher(_Launcher):
                     " Train the model as replicas (`parallelism='replicas'`), where it works, or leave it out."
                 )
             check_before_launch(trainer, model, args, pairs=pipeline)
+            self._check_tuner(trainer)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
@@ -406,6 +407,20 @@ class HeteroLauncher(_Launcher):
         if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":
             return results
         return torch.load(io.BytesIO(results), weights_only=False)  # written by our own rank 0 above
+
+    def _check_tuner(self, trainer: "pl.Trainer") -> None:
+        """``Tuner(trainer).lr_find`` and ``scale_batch_size`` end the fit in the processes, and the
+        tuner reads its result there: a process this one started (fork, spawn) keeps it."""
+        if self.start_method == "popen":
+            return
+        tuning = [c for c in trainer.callbacks if isinstance(c, (LearningRateFinder, BatchSizeFinder)) and c._early_exit]
+        if tuning:
+            raise ValueError(
+                f"`Tuner(trainer)`'s {type(tuning[0]).__name__} runs in the processes the strategy starts, and with"
+                f" `start_method={self.start_method!r}` its result stays in them. Use `start_method='popen'` (the"
+                " default outside notebooks), where this process is one of them, or add the"
+                f" `{type(tuning[0]).__name__}` callback to the Trainer: it tunes in every process and trains on."
+            )
 
     def ranks_gone(self) -> Optional[str]:
         """Which of the ranks this process started have ended (popen; ``None`` otherwise or while all run)."""

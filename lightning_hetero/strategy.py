@@ -164,7 +164,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._tuned_loaders: list[DataLoader] = []  # this process's, from `process_dataloader` (not pickled by then)
         self._stage_devices = resolve_stage_devices(self._plan.stages)
         self._start_method = resolve_start_method(start_method)
-        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._timeout = _check_timeout(timeout)
         self._nonfinite = check_policy(nonfinite)
         self._emulated_speed = check_emulated_speed(emulated_speed)
         self._num_nodes = 1
@@ -516,3 +516,17 @@ _LAYOUT_DEFAULTS = {n: p.default for n, p in inspect.signature(HeteroStrategy.__
 def hetero_strategy(trainer: "pl.Trainer") -> Optional[HeteroStrategy]:
     """The trainer's strategy if it is a hetero one (for callbacks that only act on hetero runs)."""
     return trainer.strategy if isinstance(trainer.strategy, HeteroStrategy) else None
+
+
+def _check_timeout(timeout: Union[timedelta, float]) -> timedelta:
+    """``timeout``, as a ``timedelta``; a clear error for a wait no collective could meet."""
+    try:
+        waits = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    except (TypeError, ValueError):
+        raise ValueError(f"`timeout` must be a `timedelta` or a number of seconds, not {timeout!r}.") from None
+    if waits.total_seconds() <= 0:
+        raise ValueError(
+            f"`timeout={timeout!r}`: how long a collective may wait must be positive (the default is 5 minutes; a"
+            " few seconds already fails a broken run fast)."
+        )
+    return waits

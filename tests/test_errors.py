@@ -10,11 +10,13 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,13 @@ CASES = {
         "does not follow the hetero model contract: it has no `pipeline_layers()`",
     ),
     "unknown-parallelism": Bad(lambda _: HeteroStrategy(parallelism="tensor"), "`parallelism='tensor'` must be 'auto'"),
+    "tuner-in-forked-processes": Bad(
+        lambda p: Tuner(trainer(hetero(), p)).lr_find(Net(), regression_data(), num_training=4),
+        "`Tuner(trainer)`'s LearningRateFinder runs in the processes the strategy starts, and with `start_method='fork'`",
+    ),
+    "zero-timeout": Bad(lambda _: HeteroStrategy(timeout=0), "`timeout=0`: how long a collective may wait must be positive"),
+    "negative-timeout": Bad(lambda _: HeteroStrategy(timeout=timedelta(seconds=-5)), "must be positive"),
+    "timeout-of-words": Bad(lambda _: HeteroStrategy(timeout="soon"), "`timeout` must be a `timedelta` or a number"),
     "instancenorm-stats-in-replicas": Bad(
         lambda _: fit(NormedNoContract()), "contains InstanceNorm1d with running statistics, which the hetero strategy"
     ),
