@@ -10,7 +10,9 @@ through Lightning on *every* rank. So ``trainer.callback_metrics`` is the same e
 Values are combined the way Lightning reduces a logged value over steps: ``mean`` (the default)
 is a mean weighted by each worker's sample count, ``sum`` adds, ``max``/``min`` take the extreme.
 A ``batch_size`` passed to ``self.log`` is the value's weight instead, except that the size of the
-whole batch (what a single-process run would pass) stands for the worker's own share. A
+whole batch or of the worker's share (what ``len(batch)`` gives each) stands for the share, and
+one number that every worker passes (a fixed ``batch_size``, as one process passes for every
+batch, the last smaller one included) weighs the shares by their samples and the batch by itself. A
 ``torchmetrics.Metric`` logged as an object keeps its state on each worker; its epoch value is
 computed by torchmetrics' cross-process sync, which the strategy routes over gloo.
 
@@ -21,6 +23,7 @@ collected there.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import numbers
 import pickle
@@ -62,6 +65,9 @@ class LoggedValue:
     options: dict[str, Any]
     metric: str | None = None
     """Module path of a ``torchmetrics.Metric`` logged as an object."""
+    share: int | None = None
+    """The worker's samples, where ``weight`` is a ``batch_size`` passed to ``self.log`` other than
+    the batch's size and the share's (a fixed number, or a count of tokens)."""
 
 
 @dataclass
@@ -105,12 +111,14 @@ class LogCapture:
             options.pop(key, None)
         name, value = bound.arguments["name"], bound.arguments["value"]
         batch_size = bound.arguments.get("batch_size")
-        weight = float(self.samples if batch_size in (None, self.batch_size) else batch_size)
+        own = batch_size in (None, self.batch_size, self.samples)
+        weight = float(self.samples if own else batch_size)
         metric = None
         if isinstance(value, Metric):
             metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
             value = value._forward_cache
-        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric))
+        share = None if own else self.samples
+        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric, share))
 
     def _metric_path(self, metric: Metric, name: str) -> str:
         for path, module in self.module.named_modules():
@@ -286,6 +294,13 @@ def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
                 f"`self.log({name!r}, ...)` was called with different arguments by different workers (the CPU"
                 " worker and the pipeline's last stage run the same step method); log it the same way everywhere."
             )
+    shares = [i.share for i in items if i.share is not None]
+    if len(shares) == len(items) and len({i.weight for i in items}) == 1 and sum(shares):
+        # Every worker passed one number, neither the batch's size nor its share's: a fixed
+        # `batch_size` (a hyperparameter), which one process would pass for the whole batch too.
+        # The value weighs the shares by their samples, and the batch weighs that number.
+        given, total = items[0].weight, sum(shares)
+        items = [dataclasses.replace(i, weight=given * (i.share or 0) / total) for i in items]
     weight = sum(i.weight for i in items)
     valued = [i for i in items if i.value is not None]
     value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None

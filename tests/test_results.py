@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch import LightningModule
 
-from lightning_hetero.results import LoggedValue, ReportExchange, WorkerReport, combine_logs, combine_loss
+from lightning_hetero.results import LogCapture, LoggedValue, ReportExchange, WorkerReport, combine_logs, combine_loss
 
 
 def report(samples: int, loss: float | None, **logs: tuple) -> WorkerReport:
@@ -40,6 +42,27 @@ def test_values_combine_the_way_lightning_reduces_them() -> None:
 def test_batch_size_passed_to_log_is_the_weight() -> None:
     combined = combine_logs([report(4, 1.0, tokens=(1.0, 100, {})), report(4, 1.0, tokens=(3.0, 300, {}))])
     assert combined[0].value == pytest.approx(2.5) and combined[0].weight == 400
+
+
+@pytest.mark.parametrize(
+    "logged, value, weight",
+    [
+        (lambda share: 12, (3 * 1.0 + 5 * 3.0) / 8, 12),  # a fixed batch_size: one process's weight for the batch
+        (lambda share: share, (3 * 1.0 + 5 * 3.0) / 8, 8),  # `len(batch)`: each worker's share
+        (lambda share: 8, (3 * 1.0 + 5 * 3.0) / 8, 8),  # the whole batch's size
+        (lambda share: 100 * share + 1, (301 * 1.0 + 501 * 3.0) / 802, 802),  # a count of its own: the weight
+    ],
+)
+def test_a_batch_size_passed_to_log_weighs_as_in_one_process(logged: Callable[[int], int], value: float, weight: float) -> None:
+    """A batch of 8 split 3 + 5; every worker logs with the `batch_size` it computes from its share."""
+    reports = []
+    for share, loss in ((3, 1.0), (5, 3.0)):
+        module = LightningModule()
+        with LogCapture(module, samples=share, batch_size=8) as capture:
+            module.log("loss", torch.tensor(loss, dtype=torch.float64), batch_size=logged(share))
+        reports.append(WorkerReport(samples=share, logs=capture.logs))
+    (combined,) = combine_logs(reports)
+    assert combined.value == pytest.approx(value) and combined.weight == pytest.approx(weight)
 
 
 def test_different_arguments_on_different_workers_are_an_error() -> None:
