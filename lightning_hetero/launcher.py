@@ -23,12 +23,15 @@ first, its role, and why. A process that hangs without failing is ended by the s
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -59,7 +62,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
-from lightning_hetero.topology import RanksGone, recorded_failures
+from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, recorded_failures
 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
@@ -151,6 +154,8 @@ class _Processes(_MultiProcessingLauncher):
         except BaseException as error:
             if _distributed_is_initialized():  # the error happened in this worker's run
                 error.add_note(self._strategy.describe_rank())
+            if isinstance(error, KeyboardInterrupt):  # torch's wrapper would end the process quietly, code 0
+                raise RuntimeError("[hetero] This rank was interrupted (KeyboardInterrupt).") from error
             raise
         finally:
             _finish_wandb_run(failed)
@@ -263,6 +268,8 @@ class _Script(_SubprocessScriptLauncher):
             if self.cluster_environment.creates_processes_externally:  # a process a launch started
                 _set_num_threads_if_needed(num_processes=self.num_processes)
                 return function(*args, **kwargs)
+            os.environ[READY_DIR_ENV] = tempfile.mkdtemp(prefix="hetero-ready-")  # the children inherit it
+            atexit.register(shutil.rmtree, os.environ[READY_DIR_ENV], ignore_errors=True)
             self._call_children_scripts()
         watch = _ChildWatch(self.procs, self._strategy)
         _set_num_threads_if_needed(num_processes=self.num_processes)
@@ -282,10 +289,16 @@ class _Script(_SubprocessScriptLauncher):
             self.in_call = False
             watch.close()
 
-    def gone(self) -> Optional[str]:
-        """Which of the processes this one started have ended, for an error; ``None`` while all run."""
-        ended = [(rank, p.returncode) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
-        return "; ".join(f"{self._strategy.rank_name(rank)} {describe_exit(code)}" for rank, code in ended) or None
+    def gone(self, first: Optional[int] = None) -> Optional[str]:
+        """Which of the processes this one started have ended, for an error; ``None`` while all run.
+        ``first``: the local rank that left first, named first whether or not it has ended yet."""
+        ended = {rank: p.returncode for rank, p in enumerate(self.procs, 1) if p.poll() is not None}
+        if not ended:
+            return None
+        parts = [f"{self._strategy.rank_name(first)} left the script first"] if first is not None else []
+        if first in ended:
+            parts[0] += f" and {describe_exit(ended.pop(first))}"
+        return "; ".join(parts + [f"{self._strategy.rank_name(r)} {describe_exit(code)}" for r, code in ended.items()])
 
 
 class _ChildWatch:
@@ -433,9 +446,11 @@ class HeteroLauncher(_Launcher):
         if not isinstance(self._launcher, _Script) or self._launcher.in_call:
             return None
         deadline = time.monotonic() + EXIT_S
-        while (gone := self.ranks_gone()) is None and time.monotonic() < deadline:
+        while self.ranks_gone() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        return gone
+        base = self._strategy.node_rank * self._strategy.num_processes
+        first = first_to_leave(range(base + 1, base + self._strategy.num_processes))
+        return self._launcher.gone(None if first is None else first - base)
 
     @override
     def kill(self, signum: _SIGNUM) -> None:

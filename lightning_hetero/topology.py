@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "restart_store",
     "record_failure",
     "recorded_failures",
+    "first_to_leave",
+    "READY_DIR_ENV",
     "gather_object_to",
     "tied_groups",
     "destroy_process_groups",
@@ -396,6 +399,7 @@ def connect(
     """Join the run's default process group (in the store of a torchrun restart where there is one,
     ``restart_store``), wait for every rank (``gone``: see ``_all_arrive``) and build every group
     (collective). ``rank_name``: this process, for errors."""
+    _wait_for_local_ranks(environment.local_rank(), topology.procs_per_node, timeout, gone)
     store = restart_store(timeout)
     try:
         _init_dist_connection(
@@ -409,10 +413,42 @@ def connect(
             " launch, the script with `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT` set."
         )
         raise
-    atexit.unregister(destroy_process_groups)
-    atexit.register(destroy_process_groups)
+    atexit.unregister(_leave)
+    atexit.register(_leave)
     _all_arrive(topology.world_size, timeout, gone)
     return build_process_groups(topology, global_rank, timeout)
+
+
+READY_DIR_ENV = "LIGHTNING_HETERO_READY_DIR"
+"""Set by the strategy's own launch (popen) for the processes it starts: a folder where each
+notes that it got as far as joining the run (``_wait_for_local_ranks``)."""
+
+
+def _wait_for_local_ranks(
+    local_rank: int, local_ranks: int, timeout: timedelta, gone: Optional[Callable[[], Optional[str]]]
+) -> None:
+    """Under the strategy's own launch, before the default group is joined: each process it started
+    notes that it got here, and the process that started them waits for those notes while watching
+    them (``gone``), so that one that failed before joining (an error before ``fit``, in another
+    rank's part of the script) ends the run at once with its name, rather than leaving this
+    process in torch's rendezvous until the timeout. (A Ctrl+C here ends the wait at once, too.)"""
+    folder = os.environ.get(READY_DIR_ENV)
+    if folder is None or dist.is_initialized():
+        return
+    if local_rank != 0:
+        Path(folder, str(local_rank)).touch()
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while any(not Path(folder, str(rank)).exists() for rank in range(1, local_ranks)):
+        ended = gone() if gone is not None else None
+        if ended:
+            raise RanksGone(
+                f"[hetero] Before joining the run, {ended} (its error is printed above). The other processes"
+                " were stopped."
+            )
+        if time.monotonic() > deadline:
+            return  # torch's rendezvous fails with its own timeout error
+        time.sleep(0.05)
 
 
 def record_failure(error: BaseException, where: str) -> None:
@@ -478,6 +514,28 @@ def _all_arrive(world_size: int, timeout: timedelta, gone: Optional[Callable[[],
                 ) from None
             if time.monotonic() > deadline:
                 raise
+
+
+def _leave() -> None:
+    """At exit: note in the run's store, in order, that this rank left (``first_to_leave``), then
+    take the groups down."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"hetero/left/{dist.get_rank()}", str(store.add("hetero/leaving", 1)))
+    except Exception:
+        pass
+    destroy_process_groups()
+
+
+def first_to_leave(ranks: Sequence[int]) -> Optional[int]:
+    """Which of ``ranks`` left the script first (``_leave``), where any has: a rank whose leaving
+    failed the others' collectives may end after them."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        left = [(int(store.get(f"hetero/left/{r}")), r) for r in ranks if store.check([f"hetero/left/{r}"])]
+    except Exception:
+        return None
+    return min(left)[1] if left else None
 
 
 def destroy_process_groups() -> None:

@@ -125,10 +125,10 @@ def assert_copies_identical(out_dir: Path) -> None:
 class Fault(L.Callback):
     """Makes global rank ``rank`` fail in the middle of training step ``step`` (fault-injection tests):
     in the forward of the first layer with parameters it holds, the process kills itself with
-    SIGKILL (``how="kill"``), raises ``RuntimeError("injected fault")`` (``"raise"``), or hangs
-    (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only."""
+    SIGKILL (``how="kill"``), raises ``RuntimeError("injected fault")`` (``"raise"``) or
+    ``KeyboardInterrupt`` (``"interrupt"``), or hangs (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only."""
 
-    def __init__(self, rank: int, step: int, how: Literal["kill", "raise", "hang"], once: Path | None = None) -> None:
+    def __init__(self, rank: int, step: int, how: Literal["kill", "raise", "interrupt", "hang"], once: Path | None = None) -> None:
         self.rank, self.step, self.how, self.once = rank, step, how, once
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -146,6 +146,8 @@ class Fault(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == "hang":
             signal.pause()  # woken only by a signal: the launcher's kill
+        if self.how == "interrupt":
+            raise KeyboardInterrupt
         raise RuntimeError("injected fault")
 
 

@@ -23,7 +23,8 @@ restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays 
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit; otherwise
 the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit (the other
-ranks also do with `--checkpoint-after-exit`).
+ranks also do with `--checkpoint-after-exit`). `--fail-before-fit LOCAL_RANK` makes that rank raise
+before it makes its Trainer.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
 `BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
@@ -68,11 +69,14 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
+    parser.add_argument("--fail-before-fit", type=int, help="this local rank raises before the Trainer is made")
     parser.add_argument("--checkpoint-after-exit", action="store_true", help="the others save a checkpoint anyway")
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
     args = parser.parse_args()
+    if args.fail_before_fit is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_before_fit:
+        raise FileNotFoundError("this rank's data is missing")
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
     model = {"tied": TiedNet, "batchnorm": BatchNormNet}.get(args.model, Net)(seed=None if args.unseeded else 0)
     model = model.to(torch.float64 if args.resume else torch.float32)

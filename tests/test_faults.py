@@ -79,8 +79,9 @@ def assert_resumes_exactly(ckpt_dir: Path, reference: dict, at_step: int, mode: 
         (1, "kill", "fine", "was killed by SIGKILL"),
         (2, "raise", "coarse", "RuntimeError: injected fault"),
         (0, "raise", "fine", "RuntimeError: injected fault"),
+        (1, "interrupt", "coarse", "This rank was interrupted (KeyboardInterrupt)"),
     ],
-    ids=["cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine"],
+    ids=["cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine", "interrupted-stage"],
 )
 def test_a_failed_rank_ends_the_run_promptly_and_the_run_resumes_exactly(
     tmp_path: Path, reference: dict, rank: int, how: str, mode: str, cause: str

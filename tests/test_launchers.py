@@ -249,6 +249,17 @@ def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Pa
     assert time.perf_counter() - started < TIMEOUT
 
 
+def test_a_rank_that_fails_before_joining_ends_the_run_at_once(tmp_path: Path) -> None:
+    """popen: a rank whose script fails before `fit` (a file only it lacks) ends the run as soon as it
+    exits, named, instead of leaving rank 0 in torch's rendezvous until the timeout."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--fail-before-fit=1"]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
+    assert done.returncode != 0 and time.perf_counter() - started < TIMEOUT
+    assert "Before joining the run, global rank 1 (stage0" in done.stderr and "exited with code 1" in done.stderr
+    assert "this rank's data is missing" in done.stderr
+
+
 def test_a_rank_gone_after_fit_is_named_when_the_others_save_a_checkpoint(tmp_path: Path) -> None:
     """popen: `trainer.save_checkpoint` is a collective, as under DDP; a rank that left the script
     (or a call under `if trainer.is_global_zero:`) fails it with the rank named, not only gloo's
@@ -257,4 +268,4 @@ def test_a_rank_gone_after_fit_is_named_when_the_others_save_a_checkpoint(tmp_pa
     done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
     assert done.returncode != 0
     named = "needs every rank, but since the last trainer call global rank 2 (stage1"
-    assert named in done.stderr and "exited with code 3" in done.stderr, done.stderr[-3000:]
+    assert named in done.stderr and "left the script first" in done.stderr, done.stderr[-3000:]
