@@ -19,6 +19,7 @@ CPU workers, they split an offloaded bucket's step between them instead (``shard
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -76,6 +77,19 @@ def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def _of_the_users_kind(optimizer: Optimizer, groups: list[dict], defaults: dict[str, Any]) -> Optimizer:
+    """The user's optimizer class over ``groups``, built by its constructor from ``defaults``; where
+    the constructor needs arguments its defaults do not hold (a subclass's own, such as a scale), a
+    copy of the user's optimizer, which keeps those in its attributes, over ``groups`` instead."""
+    accepted = list(inspect.signature(type(optimizer).__init__).parameters.values())[2:]  # self, params
+    required = {p.name for p in accepted if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if required <= defaults.keys():
+        return type(optimizer)(groups, **defaults)
+    clone = copy.copy(optimizer)
+    Optimizer.__init__(clone, groups, {**optimizer.defaults, **defaults})
+    return clone
+
+
 class BucketStep:
     """The optimizer step of one bucket. ``step()`` consumes the bucket's gradients."""
 
@@ -91,6 +105,11 @@ class BucketStep:
 
     def step(self) -> None:
         raise NotImplementedError
+
+    def lacks_state(self) -> bool:
+        """Whether a trainable parameter of this bucket has no optimizer state yet (its first step
+        makes it)."""
+        return False
 
     def skip(self) -> None:
         """Drop the bucket's gradients without stepping (a step skipped on every rank)."""
@@ -113,7 +132,10 @@ class DeviceStep(BucketStep):
         self.user = optimizer
         self.params = [p for p in params if p in index]
         groups, self.sources = _bucket_groups(optimizer, self.params, index)
-        self.optimizer = type(optimizer)(groups, **_constructor_defaults(optimizer)) if groups else None
+        self.optimizer = _of_the_users_kind(optimizer, groups, _constructor_defaults(optimizer)) if groups else None
+
+    def lacks_state(self) -> bool:
+        return self.optimizer is not None and any(p.requires_grad and p not in self.user.state for p in self.params)
 
     def step(self) -> None:
         if self.optimizer is not None:
@@ -169,6 +191,10 @@ class OffloadStep(BucketStep):
 
     def grad_holders(self) -> list[Tensor]:
         return list(self.masters)
+
+    def lacks_state(self) -> bool:
+        state = self.optimizer.state if self.optimizer is not None else None
+        return state is not None and any(p.requires_grad and m not in state for p, m in zip(self.params, self.masters))
 
     def step(self) -> None:
         self._to_host()
@@ -233,7 +259,10 @@ class OffloadStep(BucketStep):
             state = dict(states.get(p, {}))
             saved_master = state.pop(self.MASTER, None)
             if master is not p:
-                master.data.copy_(saved_master if saved_master is not None else p.detach())
+                # A master that no longer rounds to the weight is stale: a run that kept no masters
+                # (plain Lightning, or nothing offloaded) trained on from the checkpoint that had it.
+                current = saved_master is not None and saved_master.to(p.device, p.dtype).equal(p.detach())
+                master.data.copy_(saved_master if current else p.detach())
             if state and self.optimizer is not None:
                 self.optimizer.state[master] = {
                     k: v.to("cpu", dtype=master.dtype if v.is_floating_point() and k != "step" else v.dtype)
@@ -270,7 +299,7 @@ def _cpu_optimizer(optimizer: Optimizer, groups: list[dict]) -> Optimizer:
         defaults.pop(flag, None)
     if "fused" in inspect.signature(type(optimizer).__init__).parameters:
         defaults["fused"] = True
-    return type(optimizer)(groups, **defaults)
+    return _of_the_users_kind(optimizer, groups, defaults)
 
 
 def offload_for_memory(params: Sequence[Sequence[nn.Parameter]], device: torch.device, share: float = 0.25) -> list[int]:

@@ -214,8 +214,9 @@ class HeteroPlan:
             count = len(make_buckets(layers, bounds, int(self.bucket_size_mb * 2**20), tied))
             if self.offload[-1] >= count:
                 raise ValueError(
-                    f"`offload={self.offload}` names bucket {self.offload[-1]}, but the model has {count} buckets"
-                    f" (0 to {count - 1}) at `bucket_size_mb={self.bucket_size_mb:g}`."
+                    f"`offload={self.offload}` names bucket {self.offload[-1]}, but the model has"
+                    f" {'1 bucket (0)' if count == 1 else f'{count} buckets (0 to {count - 1})'}"
+                    f" at `bucket_size_mb={self.bucket_size_mb:g}`."
                 )
         return layers, bounds
 

@@ -25,7 +25,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future
 from collections.abc import Mapping
@@ -404,6 +404,9 @@ class FineSync(GradSync):
         self._norm = norm
         self._skip_nonfinite = skip_nonfinite
         self._threads: Optional[int] = None
+        # The default dtype the optimizer steps under in one process: outside the step's precision
+        # context (made before training, this is outside it).
+        self._dtype = torch.get_default_dtype()
         self._overlap = self._build()
         self._takes_part = True
         self.needs_cpu_workers = needs_cpu_workers
@@ -413,7 +416,7 @@ class FineSync(GradSync):
         entries = []
         for bucket, make_step in self._buckets:
             entries.append((bucket, make_step(self._optimizer, bucket.params, self._layout)))
-        overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite)
+        overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite, self._dtype)
         if self._threads is not None:
             overlap.set_threads(self._threads)
         return overlap
@@ -597,10 +600,13 @@ class _Overlap:
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[list[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         """``entries`` are this rank's buckets in bucket order: (whom they are summed over, step);
         ``norm(grads, finite)`` gives the global gradient norm from this rank's gradients (a
-        collective), NaN everywhere where any rank passes ``finite=False``."""
+        collective), NaN everywhere where any rank passes ``finite=False``. ``dtype``: the default
+        dtype outside the step's precision context, which the optimizer's new state follows."""
+        self._dtype = dtype
         self._params = [list(bucket.params) for bucket, _ in entries]
         self._counted = [bucket.counted for bucket, _ in entries]
         self._sums = {
@@ -647,6 +653,15 @@ class _Overlap:
         """Whether the buckets step only after the backward, once every rank knows the global norm."""
         return clip_norm is not None or self._skip_nonfinite
 
+    def _makes_state_late(self) -> set[int]:
+        """The buckets that step after the backward, on this rank alone, because their step makes
+        optimizer state and the backward runs under another default dtype than the optimizer
+        steps under in one process (``64-true``: torch's optimizers would make their step counts in
+        float64, and NAdam computes in them). A sharded bucket's step is a collective: it keeps its place."""
+        if self._dtype is None or torch.get_default_dtype() == self._dtype:
+            return set()
+        return {k for k, step in enumerate(self._steps) if not isinstance(step, ShardedStep) and step.lacks_state()}
+
     def begin(self, arrivals: Arrivals, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
         """Arm the hooks for a backward in which each used parameter receives ``arrivals.of(p)`` gradients;
         ``detached``: the CPU workers had no share of this optimizer step and do not sum."""
@@ -656,6 +671,7 @@ class _Overlap:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(partial(self._arrived, k))
         self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
         self._deferred = self.defers_steps(clip_norm)
+        self._late = set() if self._deferred else self._makes_state_late()
         self._detached = detached
         self._counts: dict[nn.Parameter, int] = {}
         # A parameter that receives nothing here (an encoder computed elsewhere) does not hold its bucket back.
@@ -700,6 +716,9 @@ class _Overlap:
                 else:
                     self._clip_by_value_and_step(k, step)
             self.step_seconds += time.perf_counter() - start
+        with _default_dtype(self._dtype):
+            for k in sorted(self._late):
+                self._clip_by_value_and_step(k, self._steps[k])
         for step in self._steps:
             step.after_all_steps()
 
@@ -776,7 +795,7 @@ class _Overlap:
             nodes = self._nodes[k]
             dist.all_reduce(nodes.pack(), group=nodes.group)
             nodes.unpack(step.gradient_destination)
-        if self._deferred:
+        if self._deferred or k in self._late:
             return
         start = time.perf_counter()
         self._clip_by_value_and_step(k, step)
@@ -802,6 +821,18 @@ class _Overlap:
                 torch.nn.utils.clip_grad_value_(holders, self._clip_value)
         step.step()
         self.step_spans.append((f"bucket {k} step", start, time.perf_counter()))
+
+
+@contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Steps on the training thread, after the backward, under ``dtype`` as the default."""
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class _DaemonThread:

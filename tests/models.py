@@ -37,6 +37,10 @@ class Net(PipelineModule, L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        elif self.optimizer_name == "nadam":  # computes in its step count's dtype
+            optimizer = torch.optim.NAdam(self.parameters(), lr=0.01)
+        elif self.optimizer_name == "adagrad":  # makes its state in its constructor
+            optimizer = torch.optim.Adagrad(self.parameters(), lr=0.05)
         else:
             optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
         if not self.scheduler:

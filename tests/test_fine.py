@@ -79,6 +79,47 @@ def test_trainer_features_match(tmp_path: Path, trainer_kwargs: dict, optimizer:
     assert max_param_diff(reference, model) < TOL
 
 
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_optimizer_state_made_under_the_dtype_one_process_steps_under(parallelism: str) -> None:
+    """Under `64-true` the backward (where fine mode steps) runs with float64 as torch's default
+    dtype, and one process's optimizer steps without it: the first step of each bucket comes after
+    the backward, so NAdam's step count and `mu_product` are float32 as there (in float64 its
+    weights drifted 4e-10 from one process's in 8 steps)."""
+    reference = fit(None, "nadam")
+    model = fit(fine(cpu_fraction=0.5, offload=[0], parallelism=parallelism), "nadam")
+    assert max_param_diff(reference, model) < TOL
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_an_optimizer_that_makes_its_state_in_its_constructor(mode: str) -> None:
+    """Adagrad makes its sums for every parameter when it is built, the other stages' (meta) layers
+    included: each stage keeps its own layers' (it used to fail copying the others' to its device)."""
+    strategy = fine(cpu_fraction=0.5, offload="all") if mode == "fine" else hetero(cpu_fraction=0.5)
+    assert max_param_diff(fit(None, "adagrad"), fit(strategy, "adagrad")) < TOL
+
+
+class ScaledSGD(torch.optim.SGD):
+    """An optimizer whose constructor takes an argument its `defaults` do not keep."""
+
+    def __init__(self, params: Any, scale: float, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr * scale, momentum=0.9)
+
+
+class ScaledNet(Net):
+    def configure_optimizers(self) -> Any:
+        return ScaledSGD(self.parameters(), scale=0.5)
+
+
+@pytest.mark.parametrize("offload", ["none", "all"])
+def test_an_optimizer_class_of_the_users_own(offload: str) -> None:
+    """Each bucket steps with an optimizer of the user's class: where its constructor needs more
+    than its defaults, a copy of the user's optimizer over the bucket's parameters."""
+    models = [ScaledNet(), ScaledNet()]
+    for model, strategy in zip(models, (None, fine(cpu_fraction=0.5, offload=offload))):
+        trainer(strategy, max_steps=6).fit(model, regression_data())
+    assert max_param_diff(*models) < TOL
+
+
 def test_clipping_by_norm_with_the_cpu_worker_kept_out() -> None:
     """At fraction 0 the CPU worker sits out the sum, but it joins the global norm the stages need
     before they step (it once waited elsewhere, and the run hung until the timeout)."""

@@ -62,6 +62,23 @@ def test_state_round_trip_keeps_separate_masters() -> None:
     assert torch.equal(fresh.optimizer.state[fresh.masters[0]]["exp_avg"], step.optimizer.state[step.masters[0]]["exp_avg"])
 
 
+def test_a_master_the_weights_moved_on_from_is_not_loaded() -> None:
+    """A checkpoint whose fp32 masters a run without them carried along (plain Lightning resumed
+    from an offloaded run and trained on): the masters no longer round to the weights, and the
+    weights are what was trained, so the bucket starts from them."""
+    ps = [nn.Parameter(torch.randn(4, 4).bfloat16())]
+    user = torch.optim.AdamW(ps, lr=0.01)
+    step = OffloadStep(user, ps, param_index(user))
+    ps[0].grad = torch.randn(4, 4).bfloat16()
+    step.step()
+    state = step.state()
+    with torch.no_grad():
+        ps[0].add_(0.5)  # trained on elsewhere
+    fresh = OffloadStep(user, ps, param_index(user))
+    fresh.load_state(state)
+    assert torch.equal(fresh.masters[0], ps[0].detach().float())
+
+
 def test_device_step_shares_the_users_state() -> None:
     ps = params()
     user = torch.optim.Adam(ps, lr=0.01)
