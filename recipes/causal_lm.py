@@ -59,6 +59,7 @@ class CausalLM(L.LightningModule):
             if not path.is_dir():
                 raise FileNotFoundError(f"`pretrained={pretrained}` is not a directory holding a saved model.")
             self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            self.model.train()  # `from_pretrained` leaves it in eval mode: dropout off
         else:
             self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(config or {})))
 

@@ -1,4 +1,4 @@
-"""Readers for the recipes' data files."""
+"""Readers for the recipes' data files, and their shuffle."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["read_idx", "write_idx"]
+__all__ = ["EpochShuffle", "read_idx", "write_idx"]
 
 _TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
@@ -40,3 +40,22 @@ def write_idx(path: str | Path, tensor: torch.Tensor) -> None:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wb") as f:
         f.write(header + array.tobytes())
+
+
+class EpochShuffle(torch.utils.data.Sampler[int]):
+    """A shuffle drawn from the seed and the epoch alone: Lightning gives the sampler each epoch
+    (``set_epoch``), so every process of a run draws the same order, each epoch another, and a run
+    resumed from a checkpoint draws what the uninterrupted run drew."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())

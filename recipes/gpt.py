@@ -22,6 +22,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_hetero import PipelineModule
 from lightning_hetero.cli import HeteroCLI
+from recipes.data import EpochShuffle
 from recipes.text import TokenWindows, load_text, tokenize, tokenize_with, unigram_loss
 
 __all__ = ["GPT", "TextData"]
@@ -192,12 +193,10 @@ class TextData(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)  # every process shuffles alike
         return DataLoader(
             self.train,
             batch_size=self.batch_size,
-            shuffle=True,
-            generator=generator,
+            sampler=EpochShuffle(len(self.train), self.seed),  # every process, and a resumed run, alike
             drop_last=True,
             collate_fn=self.collate_fn,
         )

@@ -25,7 +25,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hetero import PipelineModule
 from lightning_hetero.cli import HeteroCLI
-from recipes.data import read_idx
+from recipes.data import EpochShuffle, read_idx
 
 __all__ = ["DigitsMLP", "DigitsData", "AugmentedImages"]
 
@@ -175,9 +175,9 @@ class DigitsData(L.LightningDataModule):
         return TensorDataset(images.reshape(len(images), -1).float() / 255.0, labels.long())
 
     def train_dataloader(self) -> DataLoader:
-        # Its own generator: every process of a hetero run, and a single-device run, shuffle alike.
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, generator=generator)
+        # Every process of a hetero run, a single-device run, and a resumed run shuffle alike.
+        sampler = EpochShuffle(len(self.train), self.seed)
+        return DataLoader(self.train, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)

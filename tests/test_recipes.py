@@ -19,10 +19,11 @@ import torch
 from lightning_hetero.cli import HeteroCLI
 from recipes import gpt
 from recipes.causal_lm import CausalLM, CausalLMData
-from recipes.data import read_idx, write_idx
+from recipes.data import EpochShuffle, read_idx, write_idx
 from recipes import multimodal
-from recipes.mlp import DigitsData, main
+from recipes.mlp import DigitsData, DigitsMLP, main
 from recipes.text import TokenWindows, load_text, stdlib_corpus, tokenize, unigram_loss
+from tests.conftest import max_param_diff, trainer
 from tests.models import read_metrics
 from tests.test_launchers import slurm_tasks, torchrun_nodes
 
@@ -167,6 +168,29 @@ def test_mnist_data_from_idx_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="IDX files"):
         missing = DigitsData(data_dir=str(tmp_path / "empty"))
         missing.setup("fit")
+
+
+def test_a_resumed_recipe_run_shuffles_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """The recipes' training data is shuffled from the seed and the epoch (`EpochShuffle`): a fit
+    resumed from an epoch's last checkpoint goes on as the uninterrupted fit does (each epoch used
+    to start from the same order again)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(epochs: int, ckpt_path: str | None = None, run: str = "resumed") -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = DigitsMLP(hidden=(16,)).double()  # float64 before a checkpoint loads into it
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / run, save_last=True)
+        trainer(None, max_epochs=epochs, limit_train_batches=3, limit_val_batches=0, callbacks=[checkpoints],
+                enable_checkpointing=True).fit(model, DigitsData(batch_size=50, val_size=100), ckpt_path=ckpt_path)
+        return model
+
+    whole = fit(2, run="whole")
+    fit(1)
+    assert max_param_diff(whole, fit(2, str(tmp_path / "resumed" / "last.ckpt"))) < 1e-12
+    shuffle = EpochShuffle(10, seed=3)
+    first = list(shuffle)
+    shuffle.set_epoch(1)
+    assert sorted(first) == list(range(10)) and list(shuffle) != first and list(EpochShuffle(10, seed=3)) == first
 
 
 def tiny_gpt(tmp_path: Path) -> list[str]:
@@ -331,6 +355,7 @@ def test_the_causal_lm_recipe_fine_tunes_a_saved_model_with_its_own_tokenizer(
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(config).save_pretrained(saved)
     pretrained = GPT2LMHeadModel.from_pretrained(saved).state_dict()
+    assert CausalLM(pretrained=str(saved)).model.training  # dropout on, where the config has it
 
     def fine_tune(lr: float) -> dict[str, torch.Tensor]:
         out = tmp_path / f"lr{lr}"
