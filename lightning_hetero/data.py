@@ -2,11 +2,14 @@
 
 The user's DataLoader is kept as it is wherever its order cannot differ between processes (a
 sequential sampler, a ``RandomSampler`` with its own generator, which every process copies, or
-the ``DistributedSampler`` Lightning injects to split the data between nodes). A ``RandomSampler``
-without a generator draws from each process's global RNG, which the workers consume differently
-(dropout on the CPU worker, none on a middle stage): a training loader's is replaced by a
+the ``DistributedSampler`` Lightning injects to split the data between nodes). A random sampler
+without a generator (``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRandomSampler``) draws
+from each process's global RNG, which the workers consume differently (dropout on the CPU worker,
+none on a middle stage): in a training loader a ``RandomSampler`` is replaced by a
 ``DistributedSampler`` that shuffles from the shared seed (``seed_everything``'s, or 0), as
-Lightning's DDP does; an evaluation loader's is an error, since its order could not be kept.
+Lightning's DDP does, and the others draw from a generator of that seed; in an evaluation loader
+it is an error, since its order could not be kept. (A sampler of your own that draws from the
+global RNG cannot be told apart: give it a generator.)
 
 DataLoaders handed to the trainer's method itself (``trainer.fit(model, loader)``) are checked in
 the main process before any process starts (``check_before_launch``): their order, and the shape
@@ -19,6 +22,7 @@ error names the rank.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -27,9 +31,9 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 import lightning.pytorch as pl
 
@@ -54,16 +58,21 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
     sampler = dataloader.sampler
     if dataloader.batch_sampler is not None and hasattr(dataloader.batch_sampler, "sampler"):
         sampler = dataloader.batch_sampler.sampler
-    if not isinstance(sampler, RandomSampler) or sampler.generator is not None:
+    if getattr(sampler, "generator", False) is not None:  # its own generator, or none needed
         return dataloader
     if stage != RunningStage.TRAINING:
         raise ValueError(
-            f"The {stage.dataloader_prefix if stage else 'evaluation'} dataloader shuffles with the global random"
-            " generator, which the hetero strategy's processes do not share, so they would not see the same"
-            " batches. Use `shuffle=False`, or pass the DataLoader a `generator=torch.Generator().manual_seed(...)`."
+            f"The {stage.dataloader_prefix if stage else 'evaluation'} dataloader's {type(sampler).__name__} draws"
+            " from the global random generator, which the hetero strategy's processes do not share, so they would"
+            " not see the same batches. Use `shuffle=False`, or give the sampler (or the DataLoader) a"
+            " `generator=torch.Generator().manual_seed(...)`."
         )
-    replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
-    return _update_dataloader(dataloader, replacement)
+    if isinstance(sampler, RandomSampler):
+        replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
+    else:  # SubsetRandomSampler, WeightedRandomSampler, ...: theirs, from the shared seed
+        replacement = copy.copy(sampler)
+        replacement.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+    return _rebuilt(dataloader, replacement)
 
 
 def training_loader(trainer: "pl.Trainer") -> Any:
@@ -76,11 +85,24 @@ def with_workers(dataloader: object, workers: int) -> object:
     """The same loader with ``workers`` worker processes (a plan's split of the CPU's cores)."""
     if not isinstance(dataloader, DataLoader) or dataloader.num_workers == workers:
         return dataloader
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, dataloader.sampler)
-    kwargs["num_workers"] = workers
     if workers == 0:
-        kwargs["persistent_workers"] = False
-        kwargs["prefetch_factor"] = None
+        return _rebuilt(dataloader, num_workers=0, persistent_workers=False, prefetch_factor=None)
+    return _rebuilt(dataloader, num_workers=workers)
+
+
+def _rebuilt(dataloader: DataLoader, sampler: Optional[Sampler] = None, **changes: Any) -> DataLoader:
+    """The same loader with another sampler, or other settings (``changes``). A ``BatchSampler``
+    given as ``batch_sampler=`` is kept, over the new sampler (Lightning's re-instantiation, made for
+    its own samplers, drops it, and the loader would yield single samples)."""
+    given = dataloader.batch_sampler
+    own_batches = type(given) is BatchSampler and dataloader.batch_size is None
+    if sampler is None:
+        sampler = given.sampler if own_batches else dataloader.sampler
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler)
+    if own_batches:
+        batches = BatchSampler(sampler, batch_size=given.batch_size, drop_last=given.drop_last)
+        kwargs.update(batch_sampler=batches, sampler=None, batch_size=1, shuffle=False, drop_last=False)
+    kwargs.update(changes)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 

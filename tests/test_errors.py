@@ -248,7 +248,7 @@ CASES = {
     ),
     "shuffled-evaluation-data": Bad(
         lambda _: fit(val=loader(X, Y, shuffle=True)),
-        "The val dataloader shuffles with the global random",
+        "The val dataloader's RandomSampler draws from the global random generator",
     ),
     # What only the processes see: a datamodule's batches, the optimizers, the processes that join.
     "datamodule-batches-not-pairs": Bad(

@@ -18,10 +18,11 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer, WorkloadAnalyzer
+from lightning_hetero.data import with_workers
 from lightning_hetero.loading import CoreSplit, LoadBalancer, LoaderTimes, compute_between_loads, measure_loader, split_cores, tunable
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net
@@ -53,6 +54,17 @@ class BusyData(Dataset):
 
 
 # ------------------------------------------------------------------ the plan
+
+
+def test_a_loader_with_a_batch_sampler_of_its_own_keeps_it_with_other_workers() -> None:
+    """`DataLoader(batch_sampler=BatchSampler(...))`: given other workers, the loader still yields
+    the batch sampler's batches (Lightning's re-instantiation alone would yield single samples)."""
+    dataset = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(dataset, batch_sampler=BatchSampler(SequentialSampler(dataset), 4, drop_last=False))
+    for workers in (1, 0):
+        loader = with_workers(loader, workers)
+        assert loader.num_workers == workers
+        assert [batch.tolist() for (batch,) in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_the_split_follows_the_hand_calculation() -> None:

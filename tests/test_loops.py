@@ -11,7 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProgressBar
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
 
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
@@ -128,12 +129,30 @@ def test_predictions_keep_their_structure_and_order() -> None:
         assert het["labels"] == plain["labels"] and torch.allclose(het["out"], plain["out"], atol=TOL, rtol=0)
 
 
-def test_shuffled_training_data(tmp_path: Path) -> None:
-    """A shuffling loader without its own generator: every rank must still see the same batches."""
-    data = regression_data()
-    shuffled = DataLoader(data.dataset, batch_size=12, shuffle=True)
-    # The same order for the single process: the seeded sampler the strategy puts in its place.
-    ordered = DataLoader(data.dataset, batch_size=12, sampler=DistributedSampler(data.dataset, 1, 0, shuffle=True))
+@pytest.mark.parametrize("sampling", ["shuffle", "batch-sampler", "subset", "weighted"])
+def test_shuffled_training_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sampling: str) -> None:
+    """A loader whose sampler draws from the global random generator (none of its own): every rank
+    must still see the same batches, in the order the shared seed gives (each rank consumes its
+    global generator differently: dropout on one, none on another)."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    dataset = regression_data().dataset
+    if sampling in ("shuffle", "batch-sampler"):
+        shuffled = (
+            DataLoader(dataset, batch_size=12, shuffle=True)
+            if sampling == "shuffle"
+            else DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset), 12, drop_last=False))
+        )
+        # The same order for the single process: the seeded sampler the strategy puts in its place.
+        ordered = DataLoader(dataset, batch_size=12, sampler=DistributedSampler(dataset, 1, 0, shuffle=True))
+    else:
+
+        def sampler(generator: torch.Generator | None) -> Sampler:
+            if sampling == "subset":
+                return SubsetRandomSampler(range(40), generator=generator)
+            return WeightedRandomSampler([1.0 + i % 3 for i in range(44)], 40, generator=generator)
+
+        shuffled = DataLoader(dataset, batch_size=12, sampler=sampler(None))
+        ordered = DataLoader(dataset, batch_size=12, sampler=sampler(torch.Generator().manual_seed(0)))
     plain, het = Net(), Net()
     trainer(None, max_epochs=2).fit(plain, ordered)
     trainer(hetero(cpu_fraction=0.5), max_epochs=2, callbacks=[RecordCopies(tmp_path)]).fit(het, shuffled)
