@@ -61,8 +61,15 @@ def check_loader_policy(policy: Any) -> LoaderPolicy:
 
 
 def tunable(loader: Any, policy: LoaderPolicy) -> bool:
-    """Whether the package may choose ``loader``'s worker processes under ``policy``."""
+    """Whether the package may choose ``loader``'s worker processes under ``policy``. Not where its
+    sampler shuffles from a generator of its own: torch's ``RandomSampler`` draws once more from it
+    when its indices run out, which worker processes reach by prefetching and Lightning's loop
+    without them does not, so the next epoch's order would follow the worker count."""
     if not isinstance(loader, DataLoader) or isinstance(policy, int) or policy == "keep":
+        return False
+    batches = loader.batch_sampler
+    sampler = batches.sampler if batches is not None and hasattr(batches, "sampler") else loader.sampler
+    if getattr(sampler, "generator", None) is not None:
         return False
     return policy == "tune" or loader.num_workers == 0
 

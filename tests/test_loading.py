@@ -128,6 +128,9 @@ def test_which_loaders_the_run_may_tune() -> None:
     default, own = DataLoader(BusyData(8), batch_size=4), DataLoader(BusyData(8), batch_size=4, num_workers=2)
     assert tunable(default, "auto") and not tunable(own, "auto")
     assert tunable(own, "tune") and not tunable(default, "keep") and not tunable(default, 3)
+    # Shuffled from its own generator: its order would follow the worker count (see `tunable`).
+    seeded = DataLoader(BusyData(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert not tunable(seeded, "auto") and not tunable(seeded, "tune")
     with pytest.raises(ValueError, match="dataloader_workers"):
         HeteroStrategy(dataloader_workers="many")  # type: ignore[arg-type]
 
