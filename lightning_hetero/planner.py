@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -1353,6 +1353,23 @@ def hypothetical_machine(
     )
 
 
+def _number(kind: type, least: float, above: bool = False, most: Optional[float] = None) -> Callable[[str], Any]:
+    """An option's number of ``kind``, at least ``least`` (``above``: more than it), at most ``most``."""
+    import argparse
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, not {text!r}") from None
+        if value < least or (above and value == least) or (most is not None and value > most):
+            bound = f"more than {least}" if above else f"at least {least}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' and at most {most}' if most is not None else ''}, not {text}")
+        return value
+
+    return parse
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``hetero-plan PROFILE [options]``: plan a run on a machine you may not have yet."""
     import argparse
@@ -1364,26 +1381,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         " multimodal model's encoders.json, place its encoders on that machine (--gpus devices, --cpu-workers).",
     )
     parser.add_argument("profile", help="profile.json written by the WorkloadAnalyzer callback")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs, one pipeline stage each")
-    parser.add_argument("--gpu-speed", type=float, default=1.0, help="each GPU's speed relative to the profiled stage")
-    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="usable memory per GPU")
-    parser.add_argument("--cpu-workers", type=int, default=1, help="CPU workers (one per socket is sensible)")
-    parser.add_argument("--cpu-speed", type=float, default=1.0, help="each CPU worker's speed relative to the profiled one")
+    parser.add_argument("--gpus", type=_number(int, 1), default=1, help="GPUs, one pipeline stage each")
+    parser.add_argument("--gpu-speed", type=_number(float, 0, above=True), default=1.0, help="each GPU's speed relative to the profiled stage")
+    parser.add_argument("--gpu-memory-gb", type=_number(float, 0, above=True), default=None, help="usable memory per GPU")
+    parser.add_argument("--cpu-workers", type=_number(int, 0), default=1, help="CPU workers (one per socket is sensible)")
+    parser.add_argument("--cpu-speed", type=_number(float, 0, above=True), default=1.0, help="each CPU worker's speed relative to the profiled one")
     parser.add_argument(
-        "--cpu-cores", type=int, default=None, help="the machine's cores, all sockets (scales the CPU workers' speed)"
+        "--cpu-cores", type=_number(int, 1), default=None, help="the machine's cores, all sockets (scales the CPU workers' speed)"
     )
-    parser.add_argument("--sync-gbps", type=float, default=None, help="GPU <-> CPU worker all-reduce bandwidth")
-    parser.add_argument("--pipeline-gbps", type=float, default=None, help="GPU -> GPU bandwidth")
-    parser.add_argument("--host-gbps", type=float, default=None, help="device <-> pinned host memory bandwidth")
-    parser.add_argument("--link-latency-us", type=float, default=None, help="latency of every link (default: as profiled)")
+    parser.add_argument("--sync-gbps", type=_number(float, 0, above=True), default=None, help="GPU <-> CPU worker all-reduce bandwidth")
+    parser.add_argument("--pipeline-gbps", type=_number(float, 0, above=True), default=None, help="GPU -> GPU bandwidth")
+    parser.add_argument("--host-gbps", type=_number(float, 0, above=True), default=None, help="device <-> pinned host memory bandwidth")
+    parser.add_argument("--link-latency-us", type=_number(float, 0), default=None, help="latency of every link (default: as profiled)")
     parser.add_argument(
         "--action-us",
-        type=float,
+        type=_number(float, 0),
         default=None,
         help="what each pipeline schedule action (a stage's forward or backward of a micro-batch, its send's latency"
         " included) costs a GPU's process beyond its layers (default: as profiled)",
     )
-    parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the profiled batch)")
+    parser.add_argument("--batch-size", type=_number(int, 1), default=None, help="samples per step (default: the profiled batch)")
     parser.add_argument("--mode", choices=["coarse", "fine"], default="coarse")
     parser.add_argument(
         "--schedule",
@@ -1404,17 +1421,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     parser.add_argument(
         "--encoder-layers",
-        type=int,
+        type=_number(int, 0),
         default=0,
         help="a zero-bubble schedule keeps this many first blocks in its first stage: up to the last that holds an"
         " encoder placed on another process (HeteroStrategy(encoders=...)), whose split backward a later stage"
         " could not give a gradient",
     )
-    parser.add_argument("--max-micro-batches", type=int, default=8)
-    parser.add_argument("--bucket-size-mb", type=float, default=25.0)
+    parser.add_argument("--max-micro-batches", type=_number(int, 1), default=8)
+    parser.add_argument("--bucket-size-mb", type=_number(float, 0, above=True), default=25.0)
     parser.add_argument("--save", default=None, help="write the plan here (YAML), to replay with HeteroStrategy(plan=...)")
     parser.add_argument(
-        "--cpu-fraction", type=float, default=0.0, help="encoders.json: the CPU workers' share of every batch (default 0)"
+        "--cpu-fraction", type=_number(float, 0, most=1), default=0.0, help="encoders.json: the CPU workers' share of every batch (default 0)"
     )
     args = parser.parse_args(argv)
     if _names_encoders(args.profile):
@@ -1441,7 +1458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.cpu_cores,
             None if args.action_us is None else args.action_us * 1e-6,
         )
-        batch_size = args.batch_size or profile.batch_size
+        batch_size = args.batch_size if args.batch_size is not None else profile.batch_size
         layouts = compare_layouts(
             profile,
             machine,
@@ -1494,7 +1511,7 @@ def _place_encoders(parser: Any, args: Any) -> None:
         profile = EncoderProfile.load(args.profile).on(
             args.gpus, args.gpu_speed, args.cpu_workers, args.cpu_speed, args.sync_gbps
         )
-        samples = samples_by_place(args.batch_size or profile.batch_size, args.cpu_fraction, args.cpu_workers, args.gpus)
+        samples = samples_by_place(args.batch_size if args.batch_size is not None else profile.batch_size, args.cpu_fraction, args.cpu_workers, args.gpus)
         best = best_placement(profile.costs(), samples, profile.carrying)
     except (OSError, ValueError) as error:
         parser.error(str(error))

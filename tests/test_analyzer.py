@@ -281,6 +281,17 @@ def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsy
     with pytest.raises(SystemExit):  # more GPUs than blocks: not a question of memory
         planner_main([str(profile), "--gpus", "8"])
     assert "A pipeline of 8 stage processes needs a block each, and the model has 6" in capsys.readouterr().err
+    for option, value, error in [
+        ("--gpus", "0", "argument --gpus: must be at least 1, not 0"),
+        ("--gpu-speed", "-1", "argument --gpu-speed: must be more than 0, not -1"),
+        ("--sync-gbps", "0", "argument --sync-gbps: must be more than 0, not 0"),
+        ("--batch-size", "0", "argument --batch-size: must be at least 1, not 0"),
+        ("--cpu-fraction", "1.5", "argument --cpu-fraction: must be at least 0 and at most 1, not 1.5"),
+        ("--max-micro-batches", "two", "argument --max-micro-batches: must be an integer, not 'two'"),
+    ]:
+        with pytest.raises(SystemExit):
+            planner_main([str(profile), option, value])
+        assert error in capsys.readouterr().err
 
 
 def _net() -> L.LightningModule:
