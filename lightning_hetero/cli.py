@@ -14,8 +14,10 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_hetero  # noqa: F401  (registers strategy="hetero")
+from lightning_hetero.strategy import _LAYOUT_DEFAULTS, HeteroStrategy
 
 __all__ = ["HeteroCLI", "main"]
 
@@ -44,6 +46,20 @@ class HeteroCLI(LightningCLI):
             **kwargs,
         )
 
+    def before_instantiate_classes(self) -> None:
+        """A plan given to the strategy (``--trainer.strategy.init_args.plan plan.yaml``) is the run's
+        layout: the layout arguments a config also sets are left to it, and said so."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = config.get("trainer.strategy")
+        init = strategy.get("init_args") if isinstance(getattr(strategy, "class_path", None), str) else None
+        if init is None or init.get("plan") is None or not issubclass(_class(strategy.class_path), HeteroStrategy):
+            return
+        reset = sorted(name for name, default in _LAYOUT_DEFAULTS.items() if name in init and init[name] != default)
+        for name in reset:
+            init[name] = _LAYOUT_DEFAULTS[name]
+        if reset:
+            rank_zero_info(f"hetero: the plan {init['plan']} sets the layout; the config's {reset} are left to it")
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -61,11 +77,10 @@ class HeteroCLI(LightningCLI):
         strategy = config.get("trainer.strategy")
         if not isinstance(getattr(strategy, "class_path", None), str):
             return None
-        module, _, name = strategy.class_path.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module), name)
+            cls = _class(strategy.class_path)
             cls(**(strategy.init_args.as_dict() if strategy.get("init_args") else {}))
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, OSError) as error:
             return error
         except Exception:
             return None
@@ -86,3 +101,8 @@ def _path(cls: type) -> str:
 def main(args: Any = None) -> None:
     """The ``hetero`` console script."""
     HeteroCLI(args=args)
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

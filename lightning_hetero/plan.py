@@ -361,10 +361,14 @@ def layout_plan(
     from its default in ``defaults`` is given)."""
     if plan is None:
         return HeteroPlan.from_arguments(**arguments)
+    loaded = HeteroPlan.load(plan) if not isinstance(plan, HeteroPlan) else plan
     given = sorted(name for name, value in arguments.items() if value != defaults[name])
     if given:
-        raise ValueError(f"Pass the layout either as a plan or as arguments, not both: the plan sets {given} too.")
-    loaded = HeteroPlan.load(plan) if not isinstance(plan, HeteroPlan) else plan
+        raise ValueError(
+            f"Pass the layout either as a plan or as arguments, not both: {given} are given beside the plan, which"
+            " sets the whole layout. Leave them out (with LightningCLI, a plan given on the command line leaves"
+            " out a config's)."
+        )
     try:
         devices = resolve_stage_devices(loaded.stages)
         if loaded.cpu_cores is not None:

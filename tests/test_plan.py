@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -72,9 +73,32 @@ def test_boundaries_must_fit_the_model(no_processes: None) -> None:
         trainer(HeteroStrategy(plan=a_plan(boundaries=[2, 6])), max_steps=1).fit(Net(), regression_data())
 
 
-def test_plan_or_arguments_not_both(no_processes: None) -> None:
-    with pytest.raises(ValueError, match=re.escape("the plan sets ['micro_batches'] too")):
+def test_plan_or_arguments_not_both(no_processes: None, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape("['micro_batches'] are given beside the plan")):
         HeteroStrategy(plan=a_plan(), micro_batches=2)
+    with pytest.raises(FileNotFoundError):  # a missing file is that, whatever else is given
+        HeteroStrategy(plan=tmp_path / "missing.yaml", micro_batches=2)
+
+
+def test_a_plan_on_the_command_line_leaves_out_the_configs_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`hetero fit --config configs/mlp.yaml --trainer.strategy.init_args.plan plan.yaml`: the
+    config's stages, fraction and micro-batches are left to the plan (they used to be refused as
+    given twice); a plan file that is missing is said to be so."""
+    from lightning_hetero.cli import HeteroCLI
+    from recipes.mlp import DigitsData, DigitsMLP
+
+    saved = a_plan(mode="coarse", stages=["cpu", "cpu"], boundaries=["layers.2"], cpu_workers=1, offload=[]).save(
+        tmp_path / "plan.yaml"
+    )
+    config = Path(__file__).parents[1] / "configs" / "mlp.yaml"
+    with caplog.at_level(logging.INFO):
+        cli = HeteroCLI(DigitsMLP, DigitsData, run=False, args=["--config", str(config), "--trainer.strategy.init_args.plan", str(saved)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HeteroStrategy) and strategy.plan.boundaries == ["layers.2"]
+    assert (strategy.cpu_fraction, strategy.plan.micro_batches) == (0.25, 3)
+    assert "the config's ['cpu_fraction', 'micro_batches', 'stages'] are left to it" in caplog.text
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        HeteroCLI(DigitsMLP, DigitsData, run=False, args=["--config", str(config), "--trainer.strategy.init_args.plan", str(tmp_path / "missing.yaml")])
 
 
 def test_a_plan_for_another_machine_names_its_missing_device() -> None:
