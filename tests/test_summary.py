@@ -73,6 +73,7 @@ def test_table_and_keys() -> None:
     assert metrics["hetero/cpu_gain"] == pytest.approx(0.25) and metrics["hetero/samples_per_s_without_cpu"] == 100.0
     assert metrics["hetero/cpu0/share"] == 0.3 and metrics["hetero/cpu_fraction"] == 0.3
     assert "no batches ran without the CPU" in RunSummary(devices, 125.0, 0.3).table()
+    assert "in runs of at least 3 x (compare_steps + 2) optimizer steps" in RunSummary(devices, 125.0, 0.3).table()
     assert "with no CPU worker" in RunSummary(devices, 125.0, 0.0, cpu_workers=0).table()
     assert "had no share of any batch" in RunSummary(devices, 125.0, 0.0, cpu_shared=False).table()
     idle = RunSummary(devices, 100.0, 0.0, gain).table()

@@ -183,7 +183,8 @@ class RunSummary:
         if gain is None:
             return (
                 f"The run trained {self.samples_per_s:,.0f} samples/s at CPU fraction {self.fraction:.2f}; no batches"
-                " ran without the CPU's share to compare with (`UtilizationMonitor(compare_steps=...)`)."
+                " ran without the CPU's share to compare with (the monitor compares in runs of at least"
+                " 3 x (compare_steps + 2) optimizer steps: `UtilizationMonitor(compare_steps=...)`)."
             )
         low, high = gain.spread
         alone = f"{gain.without.median:,.0f} samples/s without it"
