@@ -109,7 +109,9 @@ def summarize(records: Sequence[Sequence[StepRecord]], fraction: float) -> Optio
         cpus = [s for s in step if s["role"].startswith("cpu")]
         stages = [s for s in step if not s["role"].startswith("cpu")]
         nodes = max(1, sum(s["role"] in ("stage0", "replica0") for s in stages))  # one hetero group per node
-        pipeline = max((s["samples"] for s in stages), default=0.0)
+        # The devices' share of a node's batch: every stage computes all of it; replicas a part each.
+        replicas = [s["samples"] for s in stages if s["role"].startswith("replica")]
+        pipeline = sum(replicas) / nodes if replicas else max((s["samples"] for s in stages), default=0.0)
         sizes.append(round((sum(s["samples"] for s in cpus) / nodes + pipeline) / batches))
         cpu_time = max((s["share"] for s in cpus), default=0.0)
         pipe_time = max((s["share"] for s in stages), default=0.0)

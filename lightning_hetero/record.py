@@ -32,7 +32,8 @@ class StepRecord:
     rank: int
     role: str
     samples: int = 0
-    """Samples of the batch this rank worked on: a CPU worker's share; on a stage, the pipeline's."""
+    """Samples of the batch this rank worked on: a CPU worker's share; on a stage, the pipeline's
+    (every stage computes all of it); on a device replica, its own part of the devices' share."""
     compute: float = 0.0
     """Forward and backward of this rank's share (on a stage: inside its layers only)."""
     communicate: float = 0.0

@@ -284,6 +284,19 @@ def test_summarize_takes_the_slowest_worker_of_each_side() -> None:
     assert summarize([[r] for r in step], 0.25) is None  # no step ran at that fraction
 
 
+def test_summarize_adds_up_the_replicas_parts() -> None:
+    """Device replicas each compute a part of the devices' share: together they are the devices'
+    side, at the pace of the slowest (a CPU worker and two replicas, 10 ms a sample everywhere)."""
+    step = [
+        _record(0, "cpu0", 32, 0.320, 0.0, 0.33),
+        _record(1, "replica0", 16, 0.160, 0.0, 0.33),
+        _record(2, "replica1", 16, 0.160, 0.0, 0.33),
+    ]
+    window = summarize([[r] for r in step], 0.5)
+    assert window is not None and window.batch_size == 64
+    assert window.cpu_per_sample == pytest.approx(0.010) and window.pipeline_per_sample == pytest.approx(0.160 / 32)
+
+
 def test_summarize_shares_an_accumulated_steps_sum_out_over_its_batches() -> None:
     # Three batches per optimizer step; only the last one sums gradients (30 ms).
     def rank(role: str, samples: int, share: float) -> list[StepRecord]:
