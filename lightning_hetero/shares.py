@@ -151,12 +151,13 @@ def _leaves(batch: Any, kind: type) -> list[Any]:
 def _samples(values: Sequence[Any]) -> bool:
     """Whether a list holds samples, each as the dataset gave it (a DataLoader with
     ``collate_fn=list``, for inputs of different sizes), rather than the fields of a collated batch
-    (``default_collate`` turns a sample ``((a, b), (c, d))`` into ``[[A, B], [C, D]]``). Its items
-    are records of one kind: tuples, dicts, named tuples or dataclasses of the same fields. They are
-    samples where they are tuples (collating makes lists of them), or where what they hold could
-    not be collated rows: a number, a string, a 0-dim tensor, or tensors whose first dimensions
-    differ."""
-    if _is_namedtuple(values) or len(values) < 1 or not all(_is_record(v) for v in values):
+    (``default_collate`` turns a sample ``((a, b), (c, d))`` into ``[[A, B], [C, D]]``, and a sample
+    of two dicts into a list of two dicts of rows). It is a ``list`` (a custom collate's tuple of
+    fields is not) of records of one kind: tuples, dicts, named tuples or dataclasses of the same
+    fields. They are samples where they are plain tuples (collating makes lists of them), or where
+    what they hold could not be a collated batch's rows: a number, a string or a 0-dim tensor, or
+    tensors whose first dimensions differ."""
+    if not isinstance(values, list) or not values or not all(_is_record(v) for v in values):
         return False
     kind = _fields(values[0])
     if any(_fields(v) != kind for v in values[1:]):
@@ -164,9 +165,9 @@ def _samples(values: Sequence[Any]) -> bool:
     if all(type(v) is tuple for v in values):
         return True
     leaves = [leaf for v in values for leaf in _record_leaves(v)]
-    if any(not isinstance(leaf, Tensor) or leaf.dim() == 0 for leaf in leaves):
+    if any(not isinstance(leaf, (Tensor, list)) or (isinstance(leaf, Tensor) and leaf.dim() == 0) for leaf in leaves):
         return True
-    return len({leaf.shape[0] for leaf in leaves}) > 1
+    return len({leaf.shape[0] if isinstance(leaf, Tensor) else len(leaf) for leaf in leaves}) > 1
 
 
 def _is_record(value: Any) -> bool:
@@ -182,10 +183,11 @@ def _fields(record: Any) -> tuple[Any, ...]:
 
 
 def _record_leaves(value: Any) -> list[Any]:
-    """What a sample holds, all the way down: tensors and plain values."""
+    """What a record holds, through its dicts, tuples and dataclasses: tensors, lists (a collated
+    batch's per-sample values) and plain values."""
     if isinstance(value, Mapping):
         return [leaf for v in value.values() for leaf in _record_leaves(v)]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, tuple):
         return [leaf for v in value for leaf in _record_leaves(v)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [leaf for f in dataclasses.fields(value) for leaf in _record_leaves(getattr(value, f.name))]

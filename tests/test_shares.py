@@ -120,6 +120,11 @@ def test_collated_fields_that_are_records_are_not_taken_for_samples() -> None:
     assert batch_size_of(nested) == 6 and slice_batch(nested, 0, 2)[1][1].shape == (2, 4)
     dicts = [{"x": torch.zeros(6, 2)}, {"x": torch.ones(6, 5)}]
     assert batch_size_of(dicts) == 6 and slice_batch(dicts, 0, 2)[1]["x"].shape == (2, 5)
+    named = [{"image": torch.zeros(6, 3), "name": list("abcdef")}, {"image": torch.ones(6, 3), "name": list("ghijkl")}]
+    assert batch_size_of(named) == 6 and slice_batch(named, 1, 3)[1]["name"] == ["h", "i"]
+    # A custom collate's tuple of fields, or `tuple(zip(*samples))`: not a list of samples.
+    fields = ((torch.zeros(8, 2), torch.ones(8)), (torch.zeros(8, 3), torch.ones(8)))
+    assert batch_size_of(fields) == 8 and slice_batch(fields, 0, 3)[1][0].shape == (3, 3)
 
 
 def test_a_tokenizers_batch_encoding_keeps_its_type() -> None:
