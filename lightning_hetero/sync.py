@@ -657,7 +657,8 @@ class _Overlap:
         """The buckets that step after the backward, on this rank alone, because their step makes
         optimizer state and the backward runs under another default dtype than the optimizer
         steps under in one process (``64-true``: torch's optimizers would make their step counts in
-        float64, and NAdam computes in them). A sharded bucket's step is a collective: it keeps its place."""
+        float64, and NAdam computes in them). A sharded bucket's step is a collective: it keeps its
+        place, and makes its state under the step's dtype (a limit: fine-mode.md)."""
         if self._dtype is None or torch.get_default_dtype() == self._dtype:
             return set()
         return {k for k, step in enumerate(self._steps) if not isinstance(step, ShardedStep) and step.lacks_state()}
@@ -710,11 +711,12 @@ class _Overlap:
             self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
             if self._clip_norm is not None and not self.skipped:
                 clip_to_norm(holders, self._clip_norm, total)
-            for k, step in enumerate(self._steps):
-                if self.skipped:
-                    step.skip()
-                else:
-                    self._clip_by_value_and_step(k, step)
+            with _default_dtype(self._dtype):
+                for k, step in enumerate(self._steps):
+                    if self.skipped:
+                        step.skip()
+                    else:
+                        self._clip_by_value_and_step(k, step)
             self.step_seconds += time.perf_counter() - start
         with _default_dtype(self._dtype):
             for k in sorted(self._late):
@@ -825,7 +827,8 @@ class _Overlap:
 
 @contextmanager
 def _default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """Steps on the training thread, after the backward, under ``dtype`` as the default."""
+    """Steps on the training thread, after the backward (every bucket's sum and step thread idle),
+    under ``dtype`` as torch's default (a process-wide setting)."""
     before = torch.get_default_dtype()
     if dtype is not None:
         torch.set_default_dtype(dtype)
