@@ -7,7 +7,8 @@ without a generator (``RandomSampler``, ``SubsetRandomSampler``, ``WeightedRando
 from each process's global RNG, which the workers consume differently (dropout on the CPU worker,
 none on a middle stage): in a training loader a ``RandomSampler`` is replaced by a
 ``DistributedSampler`` that shuffles from the shared seed (``seed_everything``'s, or 0), as
-Lightning's DDP does, and the others draw from a generator of that seed; in an evaluation loader
+Lightning's DDP does, and the others draw from a generator of that seed and the epoch (also
+inside the wrapper Lightning gives them with several nodes); in an evaluation loader
 it is an error, since its order could not be kept. (A sampler of your own that draws from the
 global RNG cannot be told apart: give it a generator.)
 
@@ -31,6 +32,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
@@ -51,13 +53,16 @@ _STAGES = {
 }
 
 
-def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]) -> object:
-    """Return a loader that yields the same batches on every rank of this node (see module doc)."""
+def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage], epoch: int = 0) -> object:
+    """Return a loader that yields the same batches on every rank of this node (see module doc);
+    ``epoch``: the epoch it starts in (a sampler given a generator here draws from seed and epoch)."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
     sampler = dataloader.sampler
     if dataloader.batch_sampler is not None and hasattr(dataloader.batch_sampler, "sampler"):
         sampler = dataloader.batch_sampler.sampler
+    if isinstance(sampler, DistributedSamplerWrapper):  # several nodes: Lightning's split of the user's sampler
+        sampler = sampler.dataset._sampler
     if getattr(sampler, "generator", False) is not None:  # its own generator, or none needed
         return dataloader
     if stage != RunningStage.TRAINING:
@@ -69,10 +74,11 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
         )
     if isinstance(sampler, RandomSampler):
         replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
-    else:  # SubsetRandomSampler, WeightedRandomSampler, ...: theirs, from the shared seed
-        replacement = copy.copy(sampler)
-        replacement.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
-    return _rebuilt(dataloader, replacement)
+        return _rebuilt(dataloader, replacement)
+    # SubsetRandomSampler, WeightedRandomSampler, ...: a generator of the shared seed and the epoch,
+    # the same in every process (a loader made again each epoch draws anew each epoch).
+    sampler.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)) * 1_000_003 + epoch)
+    return dataloader
 
 
 def training_loader(trainer: "pl.Trainer") -> Any:

@@ -25,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, RandomSampler, IterableDataset, SequentialSampler
 
 from lightning_hetero.data import with_workers
 
@@ -61,15 +61,15 @@ def check_loader_policy(policy: Any) -> LoaderPolicy:
 
 
 def tunable(loader: Any, policy: LoaderPolicy) -> bool:
-    """Whether the package may choose ``loader``'s worker processes under ``policy``. Not where its
-    sampler shuffles from a generator of its own: torch's ``RandomSampler`` draws once more from it
-    when its indices run out, which worker processes reach by prefetching and Lightning's loop
-    without them does not, so the next epoch's order would follow the worker count."""
+    """Whether the package may choose ``loader``'s worker processes under ``policy``. Not where a
+    ``RandomSampler`` shuffles from a generator of its own: it draws once more from it when its
+    indices run out, which worker processes reach by prefetching and Lightning's loop without them
+    does not, so the next epoch's order would follow the worker count."""
     if not isinstance(loader, DataLoader) or isinstance(policy, int) or policy == "keep":
         return False
     batches = loader.batch_sampler
     sampler = batches.sampler if batches is not None and hasattr(batches, "sampler") else loader.sampler
-    if getattr(sampler, "generator", None) is not None:
+    if isinstance(sampler, RandomSampler) and sampler.generator is not None:
         return False
     return policy == "tune" or loader.num_workers == 0
 

@@ -244,8 +244,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        stage = self.lightning_module.trainer.state.stage
-        dataloader = same_batches_on_every_rank(dataloader, stage)
+        trainer = self.lightning_module.trainer
+        stage = trainer.state.stage
+        dataloader = same_batches_on_every_rank(dataloader, stage, trainer.current_epoch)
         workers, policy = self._plan.dataloader_workers, self._loader_policy
         if not (isinstance(policy, int) or tunable(dataloader, policy)):
             return dataloader
@@ -521,8 +522,10 @@ def hetero_strategy(trainer: "pl.Trainer") -> Optional[HeteroStrategy]:
 def _check_timeout(timeout: Union[timedelta, float]) -> timedelta:
     """``timeout``, as a ``timedelta``; a clear error for a wait no collective could meet."""
     try:
+        if isinstance(timeout, bool):
+            raise TypeError
         waits = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"`timeout` must be a `timedelta` or a number of seconds, not {timeout!r}.") from None
     if waits.total_seconds() <= 0:
         raise ValueError(

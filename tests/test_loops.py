@@ -14,6 +14,10 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProg
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
 
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.trainer.states import RunningStage
+from lightning_hetero.data import same_batches_on_every_rank
+
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
     Classifier,
@@ -158,6 +162,25 @@ def test_shuffled_training_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     trainer(hetero(cpu_fraction=0.5), max_epochs=2, callbacks=[RecordCopies(tmp_path)]).fit(het, shuffled)
     assert_copies_identical(tmp_path)
     assert max_param_diff(plain, het) < TOL
+
+
+def test_a_sampler_without_a_generator_gets_one_of_the_seed_and_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also inside the wrapper Lightning puts around it with several nodes; a loader made again at a
+    later epoch (`reload_dataloaders_every_n_epochs`, a resumed fit) draws that epoch's order."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    dataset = regression_data().dataset
+
+    def order(loader: DataLoader, epoch: int) -> list[int]:
+        processed = same_batches_on_every_rank(loader, RunningStage.TRAINING, epoch)
+        return list(processed.sampler)
+
+    def subset() -> DataLoader:
+        return DataLoader(dataset, batch_size=12, sampler=SubsetRandomSampler(range(40)))
+
+    assert order(subset(), 0) == order(subset(), 0) != order(subset(), 1)
+    wrapped = DataLoader(dataset, batch_size=12, sampler=DistributedSamplerWrapper(SubsetRandomSampler(range(40)), 2, 0))
+    processed = same_batches_on_every_rank(wrapped, RunningStage.TRAINING, 0)
+    assert processed.sampler.dataset._sampler.generator is not None
 
 
 def test_layers_built_in_configure_model() -> None:
