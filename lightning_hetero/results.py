@@ -11,8 +11,8 @@ Values are combined the way Lightning reduces a logged value over steps: ``mean`
 is a mean weighted by each worker's sample count, ``sum`` adds, ``max``/``min`` take the extreme.
 A ``batch_size`` passed to ``self.log`` is the value's weight instead, except that the size of the
 whole batch or of the worker's share (what ``len(batch)`` gives each) stands for the share, and
-one number that every worker passes (a fixed ``batch_size``, as one process passes for every
-batch, the last smaller one included) weighs the shares by their samples and the batch by itself. A
+the loader's batch size passed on a smaller batch (a fixed ``batch_size``, as one process passes
+for every batch, the last included) weighs the shares by their samples and the batch by itself. A
 ``torchmetrics.Metric`` logged as an object keeps its state on each worker; its epoch value is
 computed by torchmetrics' cross-process sync, which the strategy routes over gloo.
 
@@ -66,8 +66,8 @@ class LoggedValue:
     metric: str | None = None
     """Module path of a ``torchmetrics.Metric`` logged as an object."""
     share: int | None = None
-    """The worker's samples, where ``weight`` is a ``batch_size`` passed to ``self.log`` other than
-    the batch's size and the share's (a fixed number, or a count of tokens)."""
+    """The worker's samples, where ``weight`` is a fixed ``batch_size`` passed to ``self.log`` (the
+    loader's, ``LogCapture.nominal``) on a batch of another size."""
 
 
 @dataclass
@@ -88,13 +88,16 @@ class WorkerReport:
 class LogCapture:
     """While active, ``module.log`` (and so ``log_dict``) records its calls instead of logging them.
 
-    ``samples`` is the worker's share of a batch of ``batch_size`` samples.
+    ``samples`` is the worker's share of a batch of ``batch_size`` samples; ``nominal``: the
+    largest batch the step method has run on (the loader's own ``batch_size``, as a fixed
+    ``self.log(batch_size=...)`` names it).
     """
 
-    def __init__(self, module: LightningModule, samples: int, batch_size: int) -> None:
+    def __init__(self, module: LightningModule, samples: int, batch_size: int, nominal: int | None = None) -> None:
         self.module = module
         self.samples = samples
         self.batch_size = batch_size
+        self.nominal = nominal
         self.logs: list[LoggedValue] = []
 
     def __enter__(self) -> LogCapture:
@@ -111,13 +114,19 @@ class LogCapture:
             options.pop(key, None)
         name, value = bound.arguments["name"], bound.arguments["value"]
         batch_size = bound.arguments.get("batch_size")
-        own = batch_size in (None, self.batch_size, self.samples)
-        weight = float(self.samples if own else batch_size)
+        share = None
+        if batch_size is None or batch_size == self.batch_size:  # the whole batch's size stands for the share
+            weight = float(self.samples)
+        elif batch_size == self.nominal:  # a fixed batch_size on a smaller batch: see `_combine`
+            weight, share = float(batch_size), self.samples
+        elif batch_size == self.samples:  # the share's own size (`len(batch)` there)
+            weight = float(self.samples)
+        else:  # a count of the worker's own, such as its tokens
+            weight = float(batch_size)
         metric = None
         if isinstance(value, Metric):
             metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
             value = value._forward_cache
-        share = None if own else self.samples
         self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric, share))
 
     def _metric_path(self, metric: Metric, name: str) -> str:
@@ -296,7 +305,7 @@ def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
             )
     shares = [i.share for i in items if i.share is not None]
     if len(shares) == len(items) and len({i.weight for i in items}) == 1 and sum(shares):
-        # Every worker passed one number, neither the batch's size nor its share's: a fixed
+        # Every worker passed the loader's batch size on a batch of another size (its last): a fixed
         # `batch_size` (a hyperparameter), which one process would pass for the whole batch too.
         # The value weighs the shares by their samples, and the batch weighs that number.
         given, total = items[0].weight, sum(shares)

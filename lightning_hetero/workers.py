@@ -187,6 +187,9 @@ class Worker:
         self.module = module
         self.params = list(params)
         self.placement = placement
+        self.nominal: dict[str, int] = {}
+        """Per step method, the largest batch it has run on (by the engine, every step, every rank):
+        what a fixed ``self.log(batch_size=...)`` names (``results.LogCapture``)."""
         self.fresh_grads: list[Tensor | None] | None = None
         self.norm: Optional[ReplicaNorm] = None
         """What this replica does about the model's BatchNorm layers (``batchnorm.py``), where it has any."""
@@ -364,7 +367,7 @@ class Worker:
         return result
 
     def _run_step(self, method: str, batch: Any, rest: tuple, samples: int, batch_size: int) -> tuple[WorkerReport, Any]:
-        with LogCapture(self.module, samples, batch_size) as capture:
+        with LogCapture(self.module, samples, batch_size, self.nominal.get(method)) as capture:
             output = getattr(self.module, method)(batch, *rest)
         report = WorkerReport(samples=samples, logs=capture.logs)
         if method == "training_step":

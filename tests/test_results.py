@@ -45,20 +45,25 @@ def test_batch_size_passed_to_log_is_the_weight() -> None:
 
 
 @pytest.mark.parametrize(
-    "logged, value, weight",
+    "split, logged, value, weight",
     [
-        (lambda share: 12, (3 * 1.0 + 5 * 3.0) / 8, 12),  # a fixed batch_size: one process's weight for the batch
-        (lambda share: share, (3 * 1.0 + 5 * 3.0) / 8, 8),  # `len(batch)`: each worker's share
-        (lambda share: 8, (3 * 1.0 + 5 * 3.0) / 8, 8),  # the whole batch's size
-        (lambda share: 100 * share + 1, (301 * 1.0 + 501 * 3.0) / 802, 802),  # a count of its own: the weight
+        # The last batch of 8 (the loader's batch size is 12), split 3 + 5, losses 1 and 3:
+        ((3, 5), lambda share: 12, (3 * 1.0 + 5 * 3.0) / 8, 12),  # a fixed batch_size: one process's weight
+        ((3, 5), lambda share: share, (3 * 1.0 + 5 * 3.0) / 8, 8),  # `len(batch)`: each worker's share
+        ((3, 5), lambda share: 8, (3 * 1.0 + 5 * 3.0) / 8, 8),  # the whole batch's size
+        ((3, 5), lambda share: 100 * share + 1, (301 * 1.0 + 501 * 3.0) / 802, 802),  # a count of its own
+        ((4, 4), lambda share: 40, 2.0, 80),  # counts of their own that happen to agree (40 tokens each)
+        ((12, 4), lambda share: 12, (12 * 1.0 + 4 * 3.0) / 16, 12),  # a share that happens to be the batch size
     ],
 )
-def test_a_batch_size_passed_to_log_weighs_as_in_one_process(logged: Callable[[int], int], value: float, weight: float) -> None:
-    """A batch of 8 split 3 + 5; every worker logs with the `batch_size` it computes from its share."""
+def test_a_batch_size_passed_to_log_weighs_as_in_one_process(
+    split: tuple[int, int], logged: Callable[[int], int], value: float, weight: float
+) -> None:
+    """Every worker logs with the `batch_size` it computes from its share."""
     reports = []
-    for share, loss in ((3, 1.0), (5, 3.0)):
+    for share, loss in zip(split, (1.0, 3.0)):
         module = LightningModule()
-        with LogCapture(module, samples=share, batch_size=8) as capture:
+        with LogCapture(module, samples=share, batch_size=sum(split), nominal=12) as capture:
             module.log("loss", torch.tensor(loss, dtype=torch.float64), batch_size=logged(share))
         reports.append(WorkerReport(samples=share, logs=capture.logs))
     (combined,) = combine_logs(reports)
