@@ -448,9 +448,7 @@ class HeteroLauncher(_Launcher):
         deadline = time.monotonic() + EXIT_S
         while self.ranks_gone() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        base = self._strategy.node_rank * self._strategy.num_processes
-        first = first_to_leave(range(base + 1, base + self._strategy.num_processes))
-        return self._launcher.gone(None if first is None else first - base)
+        return self._launcher.gone(first_to_leave(range(1, self._strategy.num_processes)))
 
     @override
     def kill(self, signum: _SIGNUM) -> None:

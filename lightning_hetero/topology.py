@@ -517,24 +517,29 @@ def _all_arrive(world_size: int, timeout: timedelta, gone: Optional[Callable[[],
 
 
 def _leave() -> None:
-    """At exit: note in the run's store, in order, that this rank left (``first_to_leave``), then
-    take the groups down."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"hetero/left/{dist.get_rank()}", str(store.add("hetero/leaving", 1)))
-    except Exception:
-        pass
+    """At exit: a process the strategy's own launch started notes when it left (``first_to_leave``),
+    in the folder it noted its joining in (a file: the run's store may be gone with rank 0), then
+    takes the groups down."""
+    folder, local_rank = os.environ.get(READY_DIR_ENV), os.environ.get("LOCAL_RANK", "0")
+    if folder is not None and local_rank != "0":
+        try:
+            Path(folder, f"left.{local_rank}").write_text(str(time.monotonic_ns()))
+        except OSError:
+            pass
     destroy_process_groups()
 
 
-def first_to_leave(ranks: Sequence[int]) -> Optional[int]:
-    """Which of ``ranks`` left the script first (``_leave``), where any has: a rank whose leaving
-    failed the others' collectives may end after them."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        left = [(int(store.get(f"hetero/left/{r}")), r) for r in ranks if store.check([f"hetero/left/{r}"])]
-    except Exception:
-        return None
+def first_to_leave(local_ranks: Sequence[int]) -> Optional[int]:
+    """Which of the processes of ``local_ranks`` the strategy's launch started on this node left the
+    script first (``_leave``), where any has: one whose leaving failed the others' collectives may
+    end after them."""
+    folder = os.environ.get(READY_DIR_ENV)
+    left = []
+    for rank in local_ranks if folder is not None else ():
+        try:
+            left.append((int(Path(folder, f"left.{rank}").read_text()), rank))
+        except (OSError, ValueError):
+            continue
     return min(left)[1] if left else None
 
 
