@@ -163,6 +163,7 @@ CASES = {
     "zero-timeout": Bad(lambda _: HeteroStrategy(timeout=0), "`timeout=0`: how long a collective may wait must be positive"),
     "negative-timeout": Bad(lambda _: HeteroStrategy(timeout=timedelta(seconds=-5)), "must be positive"),
     "timeout-of-words": Bad(lambda _: HeteroStrategy(timeout="soon"), "`timeout` must be a `timedelta` or a number"),
+    "endless-timeout": Bad(lambda _: HeteroStrategy(timeout=float("inf")), "`timeout` must be a `timedelta` or a number"),
     "instancenorm-stats-in-replicas": Bad(
         lambda _: fit(NormedNoContract()), "contains InstanceNorm1d with running statistics, which the hetero strategy"
     ),

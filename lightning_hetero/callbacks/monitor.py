@@ -168,8 +168,9 @@ class UtilizationMonitor(L.Callback):
         summary: at the end of ``fit``, print what each device did and what the CPU bought, log it
             under ``hetero/*`` (docs/monitoring.md) and draw it (``devices.png``).
         compare_steps: where nothing else measures the step without the CPU (a fixed CPU fraction,
-            no ``AdaptiveRebalancer``), run this many optimizer steps at fraction 0 early in the run,
-            after as many at the run's fraction, to measure what the CPU buys (0: do not).
+            no ``AdaptiveRebalancer``), run this many optimizer steps and 2 more (which settle) at
+            fraction 0 early in the run, after as many at the run's fraction, to measure what the CPU
+            buys, in runs of at least 3 x (``compare_steps`` + 2) optimizer steps (0: do not).
     """
 
     def __init__(
