@@ -197,7 +197,7 @@ CASES = {
     "cpu-workers-negative": Bad(lambda _: HeteroStrategy(cpu_workers=-1), "`cpu_workers=-1` must be an integer >= 0"),
     "unknown-mode": Bad(lambda _: HeteroStrategy(mode="medium"), "`mode='medium'` is not a hetero mode"),
     "unknown-nonfinite-policy": Bad(lambda _: HeteroStrategy(nonfinite="ignore"), "`nonfinite='ignore'` must be 'error'"),
-    "plan-and-arguments": Bad(lambda p: HeteroStrategy(plan=plan_file(p), micro_batches=2), "the plan sets ['micro_batches'] too"),
+    "plan-and-arguments": Bad(lambda p: HeteroStrategy(plan=plan_file(p), micro_batches=2), "['micro_batches'] are given beside the plan"),
     # Plan files.
     "plan-layer-count": Bad(
         lambda p: fit(strategy=from_plan(p, boundaries=[2, 9])),
