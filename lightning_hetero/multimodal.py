@@ -463,11 +463,11 @@ class EncoderExchange:
             given = args[0]
             count = batch_size_of(given)
             if received.leaf is None:
-                received.leaf = self._receive(received).requires_grad_()
+                received.leaf = _trainable(self._receive(received))
             start = received.offset
             if _on_meta(given) or (self._pipelined and not _IN_MICRO_BATCH.get()):
                 rows_of = received.leaf[start : start + count].detach()
-                return torch.zeros_like(rows_of, device=rows_of.device if not _on_meta(given) else "meta").requires_grad_()
+                return _trainable(torch.zeros_like(rows_of, device=rows_of.device if not _on_meta(given) else "meta"))
             if start + count > rows or not _same(given, slice_batch(expected, start, start + count)):
                 raise RuntimeError(
                     f"`{model}` called encoder {modality!r} with another input than `modality_inputs(batch)[{modality!r}]`"
@@ -586,6 +586,12 @@ def _on_meta(value: Any) -> bool:
     return any(isinstance(x, Tensor) and x.is_meta for x in tree_flatten(value)[0])
 
 
+def _trainable(output: Tensor) -> Tensor:
+    """A placed encoder's received output, as a leaf the model's backward gives a gradient to where
+    it can carry one (an encoder that outputs codes, integers or bools, gets none)."""
+    return output.requires_grad_() if output.is_floating_point() or output.is_complex() else output
+
+
 def _same(given: Any, expected: Any) -> bool:
     """Whether two encoder inputs are the same: structure, and every tensor equal."""
     a, spec_a = tree_flatten(given)
@@ -596,8 +602,11 @@ def _same(given: Any, expected: Any) -> bool:
         if isinstance(x, Tensor) != isinstance(y, Tensor):
             return False
         if isinstance(x, Tensor):
-            if x.shape != y.shape or not torch.equal(x, y.to(x.device)):
+            y = y.to(x.device)
+            if x.shape != y.shape or x.dtype != y.dtype:
                 return False
+            if not (torch.equal(x, y) or (x.is_floating_point() and torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()))):
+                return False  # a NaN is the same NaN: the step's check of non-finite values reports it
         elif x != y:
             return False
     return True

@@ -335,6 +335,57 @@ class FrozenText(Multimodal):
         self.text.requires_grad_(False)
 
 
+class Quantizer(torch.nn.Module):
+    """An image encoder that outputs codes (a frozen tokenizer, say): integers, no gradient."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.flatten(1)[:, :4] > 0).long() + torch.arange(4, device=images.device) * 2
+
+
+class Coded(Multimodal):
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = Quantizer()
+        self.codes = torch.nn.Embedding(8, self.backbone[0].in_features)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        encoded = self.encode(batch)
+        fused = torch.zeros(len(batch["y"]), self.backbone[0].in_features, dtype=self.dtype, device=self.device)
+        if "image" in encoded:
+            fused = fused.index_add(0, batch["has_image"].nonzero().squeeze(1), self.codes(encoded["image"]).mean(1))
+        if "text" in encoded:
+            fused = fused.index_add(0, batch["has_text"].nonzero().squeeze(1), encoded["text"])
+        return self.backbone(fused).squeeze(1)
+
+
+def test_a_placed_encoder_that_outputs_integers(tmp_path: Path) -> None:
+    """Its output travels as integers and takes no gradient (it used to fail asking for one)."""
+    assert_same_run(tmp_path, hetero(encoders={"image": "cpu0"}, cpu_fraction=0.3), Coded, multimodal_data)
+
+
+def test_a_checkpoints_placement_this_layout_cannot_run_is_dropped() -> None:
+    """MixRebalancer resumed on a layout without the place its checkpoint chose (a CPU worker it no
+    longer has) starts from this run's placement, with a warning, instead of failing in every rank."""
+    from lightning_hetero.callbacks.mix import _cannot_place
+
+    strategy = HeteroStrategy(stages=["cpu", "cpu"], cpu_workers=0, cpu_fraction=0.0)
+    assert "this layout has no CPU worker" in (_cannot_place(strategy, Multimodal(), {"image": "cpu0"}) or "")
+    assert _cannot_place(strategy, Multimodal(), {"image": "device1"}) is None
+
+
+def test_an_encoder_input_holding_a_nan_is_the_same_input() -> None:
+    """A NaN in a placed encoder's input is reported by the step's check of non-finite values (or
+    skipped with `nonfinite="skip"`), not as a call on another input (NaN != NaN)."""
+    from lightning_hetero.multimodal import _same
+
+    images = torch.ones(3, 4)
+    images[1, 2] = float("nan")
+    assert _same({"x": images}, {"x": images.clone()})
+    moved = images.clone()
+    moved[1, 2], moved[2, 2] = 1.0, float("nan")
+    assert not _same(images, moved) and not _same(images, images.nan_to_num())
+
+
 @pytest.mark.parametrize("mode", ["coarse", "fine"])
 def test_a_frozen_encoder_can_be_placed(tmp_path: Path, mode: str) -> None:
     same_run(tmp_path, hetero(mode=mode, encoders={"text": "cpu0", "image": "device1"}, cpu_fraction=0.3))
