@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hetero.encoder_planner import EncoderProfile, best_placement, predict_placement, samples_by_place
-from lightning_hetero.multimodal import carrying
+from lightning_hetero.multimodal import carrying, check_placement
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
 
@@ -184,9 +184,18 @@ class MixRebalancer(L.Callback):
         self.follower = MixFollower(profile, strategy.encoder_placement, self.smoothing, self.min_gain)
         reason = "start"
         if self._restored is not None:
-            self.follower.load_state_dict(self._restored["follower"])
-            self.decisions = list(self._restored["decisions"])
-            self._restored, reason = None, "resume"
+            restored = self._restored["follower"]
+            unfit = _cannot_place(strategy, pl_module, restored["placement"])
+            if unfit is None:
+                self.follower.load_state_dict(restored)
+                self.decisions = list(self._restored["decisions"])
+                reason = "resume"
+            else:
+                rank_zero_warn(
+                    f"MixRebalancer: the checkpoint's placement {restored['placement']} cannot run on this layout"
+                    f" ({unfit}); it starts again from this run's placement."
+                )
+            self._restored = None
         self._steps, self._skip, self._last_step = [], self.warmup_steps, trainer.global_step
         self._apply(trainer, strategy, strategy.broadcast(self.follower.state_dict(), src=0), reason, None, None)
 
@@ -269,4 +278,13 @@ def _analyzer_profile(trainer: L.Trainer) -> Optional[EncoderProfile]:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, WorkloadAnalyzer) and callback.placement is not None:
             return callback.placement[0]
+    return None
+
+
+def _cannot_place(strategy: "HeteroStrategy", module: Any, placement: dict[str, str]) -> Optional[str]:
+    """Why ``placement`` (a checkpoint's) cannot run on this run's layout, or ``None`` where it can."""
+    try:
+        replace(strategy.plan, encoders=check_placement(placement)).place_blocks(module)
+    except ValueError as error:
+        return str(error)
     return None
