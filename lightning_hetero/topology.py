@@ -147,10 +147,15 @@ class Topology:
     def check_world_size(self, started: int) -> None:
         """Raise where a launcher started another number of processes than the layout needs."""
         if started != self.world_size:
+            nodes = started // self.procs_per_node
+            hint = (
+                f" The launcher started {self.procs_per_node} per node on {nodes} nodes: pass `Trainer(num_nodes={nodes})`."
+                if started % self.procs_per_node == 0 and nodes != self.num_nodes
+                else f" Start {self.procs_per_node} processes per node (e.g. `torchrun --nproc-per-node={self.procs_per_node}`)."
+            )
             raise RuntimeError(
                 f"The hetero layout {self.describe()} needs {self.world_size} processes, but the launcher started"
-                f" {started}. Start {self.procs_per_node} processes per node (e.g. `torchrun"
-                f" --nproc-per-node={self.procs_per_node}`)."
+                f" {started}.{hint}"
             )
 
     def device_names(self) -> list[str]:

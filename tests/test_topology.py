@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import torch
 
 import pytest
@@ -47,3 +48,13 @@ def test_threads_share_the_cores(stages: list[str], cpu_workers: int, cpu_share:
     topology = Topology(cpu_workers=cpu_workers, stage_devices=tuple(torch.device(d) for d in stages))
     threads = [threads_for(topology.role(r), topology, 16, cpu_share=cpu_share) for r in range(topology.procs_per_node)]
     assert threads == expected
+
+
+def test_a_wrong_number_of_processes_says_what_to_change() -> None:
+    """Twice the processes per node's count: the Trainer's `num_nodes` was left out; otherwise the
+    count per node is wrong."""
+    topology = Topology(cpu_workers=1, stage_devices=(torch.device("cpu"), torch.device("cpu")))
+    with pytest.raises(RuntimeError, match=re.escape("3 per node on 2 nodes: pass `Trainer(num_nodes=2)`")):
+        topology.check_world_size(6)
+    with pytest.raises(RuntimeError, match=re.escape("Start 3 processes per node (e.g. `torchrun --nproc-per-node=3`)")):
+        topology.check_world_size(4)
