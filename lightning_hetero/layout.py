@@ -48,8 +48,8 @@ class RunLayout:
     ``_plan``, ``_stage_devices``, ``_num_nodes``, ``_emulated_speed``, ``_planner``, ``_groups``
     (once connected), ``_engine`` (once set up), ``_tuned_loaders`` (the training DataLoaders whose
     workers it may change), ``_schedule_request`` (the schedule arguments, None with a plan given),
-    ``_given`` (the ``cpu_fraction``, ``micro_batches`` and ``offload`` given other than their
-    defaults) and ``local_rank``."""
+    ``_given`` (the ``cpu_fraction``, ``micro_batches``, ``offload`` and ``encoders`` given other
+    than their defaults) and ``local_rank``."""
 
     _plan: HeteroPlan
     _stage_devices: list[torch.device]

@@ -157,7 +157,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._plan = layout_plan(plan, arguments, _LAYOUT_DEFAULTS)
         self._earned_fraction = plan is None and cpu_fraction == "auto"
         self._schedule_request = (schedule, stages_per_process) if plan is None else None
-        self._given = {k: arguments[k] for k in ("cpu_fraction", "micro_batches", "offload") if arguments[k] != _LAYOUT_DEFAULTS[k]}
+        planned = ("cpu_fraction", "micro_batches", "offload", "encoders")  # what the analyzer plans, where given
+        self._given = {k: arguments[k] for k in planned if arguments[k] != _LAYOUT_DEFAULTS[k]}
         self._loader_policy = check_loader_policy(dataloader_workers)
         if isinstance(self._loader_policy, int):
             self._plan = replace(self._plan, dataloader_workers=self._loader_policy)

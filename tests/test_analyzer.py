@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -417,6 +418,9 @@ def test_a_plan_that_replaces_values_given_says_so(no_processes: None) -> None:
     strategy = HeteroStrategy(stages=["cpu", "cpu"], cpu_fraction=0.3, micro_batches=2)
     with pytest.warns(UserWarning, match=r"replaces cpu_fraction=0.3 with 1.0, micro_batches=2 with 1"):
         strategy.apply_plan(replace(strategy.plan, cpu_fraction=1.0, micro_batches=1))
+    placed = HeteroStrategy(stages=["cpu"], cpu_fraction=0.3, parallelism="replicas", encoders={"image": "cpu0"})
+    with pytest.warns(UserWarning, match=re.escape("replaces encoders={'image': 'cpu0'} with {}")):
+        placed.apply_plan(replace(placed.plan, encoders={}))
     quiet = HeteroStrategy(stages=["cpu", "cpu"], cpu_fraction=0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
