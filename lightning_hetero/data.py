@@ -42,7 +42,7 @@ import lightning.pytorch as pl
 from lightning_hetero.module import pipeline_pair
 from lightning_hetero.shares import batch_size_of
 
-__all__ = ["same_batches_on_every_rank", "with_workers", "check_before_launch", "peek_batch", "training_loader"]
+__all__ = ["same_batches_on_every_rank", "sampler_of", "rebuilt", "with_workers", "check_before_launch", "peek_batch", "training_loader"]
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -58,9 +58,7 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
     ``epoch``: the epoch it starts in (a sampler given a generator here draws from seed and epoch)."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
-    sampler = dataloader.sampler
-    if dataloader.batch_sampler is not None and hasattr(dataloader.batch_sampler, "sampler"):
-        sampler = dataloader.batch_sampler.sampler
+    sampler = sampler_of(dataloader)
     if isinstance(sampler, DistributedSamplerWrapper):  # several nodes: Lightning's split of the user's sampler
         sampler = sampler.dataset._sampler
     if getattr(sampler, "generator", False) is not None:  # its own generator, or none needed
@@ -74,11 +72,17 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
         )
     if isinstance(sampler, RandomSampler):
         replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)
-        return _rebuilt(dataloader, replacement)
+        return rebuilt(dataloader, replacement)
     # SubsetRandomSampler, WeightedRandomSampler, ...: a generator of the shared seed and the epoch,
     # the same in every process (a loader made again each epoch draws anew each epoch).
     sampler.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)) * 1_000_003 + epoch)
     return dataloader
+
+
+def sampler_of(dataloader: DataLoader) -> Any:
+    """The sampler that orders a loader's samples: its batch sampler's, where that has one."""
+    batches = dataloader.batch_sampler
+    return batches.sampler if batches is not None and hasattr(batches, "sampler") else dataloader.sampler
 
 
 def training_loader(trainer: "pl.Trainer") -> Any:
@@ -92,11 +96,11 @@ def with_workers(dataloader: object, workers: int) -> object:
     if not isinstance(dataloader, DataLoader) or dataloader.num_workers == workers:
         return dataloader
     if workers == 0:
-        return _rebuilt(dataloader, num_workers=0, persistent_workers=False, prefetch_factor=None)
-    return _rebuilt(dataloader, num_workers=workers)
+        return rebuilt(dataloader, num_workers=0, persistent_workers=False, prefetch_factor=None)
+    return rebuilt(dataloader, num_workers=workers)
 
 
-def _rebuilt(dataloader: DataLoader, sampler: Optional[Sampler] = None, **changes: Any) -> DataLoader:
+def rebuilt(dataloader: DataLoader, sampler: Optional[Sampler] = None, **changes: Any) -> DataLoader:
     """The same loader with another sampler, or other settings (``changes``). A ``BatchSampler``
     given as ``batch_sampler=`` is kept, over the new sampler (Lightning's re-instantiation, made for
     its own samplers, drops it, and the loader would yield single samples)."""

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, RandomSampler, IterableDataset, SequentialSampler
 
-from lightning_hetero.data import with_workers
+from lightning_hetero.data import rebuilt, sampler_of, with_workers
 
 __all__ = [
     "peek_batches",
@@ -67,8 +66,7 @@ def tunable(loader: Any, policy: LoaderPolicy) -> bool:
     does not, so the next epoch's order would follow the worker count."""
     if not isinstance(loader, DataLoader) or isinstance(policy, int) or policy == "keep":
         return False
-    batches = loader.batch_sampler
-    sampler = batches.sampler if batches is not None and hasattr(batches, "sampler") else loader.sampler
+    sampler = sampler_of(loader)
     if isinstance(sampler, RandomSampler) and sampler.generator is not None:
         return False
     return policy == "tune" or loader.num_workers == 0
@@ -111,15 +109,20 @@ class LoaderTimes:
         return [f"  {w} worker(s): {s * 1e3:9.2f} ms per batch" for w, s in zip(self.workers, self.seconds)]
 
 
+def _in_order(loader: DataLoader) -> DataLoader:
+    """The loader over its dataset in order (no sampler's generator advances), batched as it is."""
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+        return loader
+    return rebuilt(loader, SequentialSampler(loader.dataset))
+
+
 def peek_batches(loader: Any, count: int) -> list[Any]:
     """The first ``count`` batches of ``loader``'s dataset in order, read in this process, changing
     nothing the training run sees (as ``measure_loader`` reads: no sampler's generator advances, every
     random generator is put back); ``[]`` for what is not a DataLoader."""
     if not isinstance(loader, DataLoader):
         return []
-    probe = loader
-    if not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None:
-        probe = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    probe = _in_order(loader)
     states = _collect_rng_states(include_cuda=False)
     try:
         batches = []
@@ -149,9 +152,7 @@ def measure_loader(
     less than ``enough_s``, or after ``budget_s`` seconds. ``None`` for what is not a DataLoader."""
     if not isinstance(loader, DataLoader):
         return None
-    probe = loader
-    if not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None:
-        probe = _update_dataloader(loader, SequentialSampler(loader.dataset))
+    probe = _in_order(loader)
     states = _collect_rng_states(include_cuda=False)
     workers: list[int] = []
     seconds: list[float] = []

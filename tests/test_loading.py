@@ -23,7 +23,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer, WorkloadAnalyzer
 from lightning_hetero.data import with_workers
-from lightning_hetero.loading import CoreSplit, LoadBalancer, LoaderTimes, compute_between_loads, measure_loader, split_cores, tunable
+from lightning_hetero.loading import CoreSplit, LoadBalancer, LoaderTimes, compute_between_loads, measure_loader, peek_batches
+from lightning_hetero.loading import split_cores, tunable
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net
 
@@ -65,6 +66,8 @@ def test_a_loader_with_a_batch_sampler_of_its_own_keeps_it_with_other_workers() 
         loader = with_workers(loader, workers)
         assert loader.num_workers == workers
         assert [batch.tolist() for (batch,) in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # Read in order to measure it, it is batched as it trains (it used to yield single samples).
+    assert [batch.tolist() for (batch,) in peek_batches(loader, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_the_split_follows_the_hand_calculation() -> None:
