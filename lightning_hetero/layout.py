@@ -146,12 +146,18 @@ class RunLayout:
         """Where a multimodal model's placed encoders run, by modality (those left out are ``"split"``)."""
         return dict(self._plan.encoders)
 
+    def placed_plan(self, placement: Mapping[str, str], module: Any) -> HeteroPlan:
+        """This run's plan with a multimodal model's encoders placed so; a ``ValueError`` where this
+        layout cannot run that placement (for ``module``, where given)."""
+        plan = replace(self._plan, encoders=check_placement(placement))
+        if module is not None:
+            plan.place_blocks(module)  # checks the placement for the model
+        return plan
+
     def set_encoder_placement(self, placement: Mapping[str, str]) -> None:
         """Place a multimodal model's encoders so from the next training batch on (``HeteroStrategy(encoders=...)``;
         modalities left out are ``"split"``). Every rank must set the same placement at the same step."""
-        plan = replace(self._plan, encoders=check_placement(placement))
-        if self.lightning_module is not None:
-            plan.place_blocks(self.lightning_module)  # checks the placement for the model
+        plan = self.placed_plan(placement, self.lightning_module)
         self._plan = plan
         if self._engine is not None and self._engine.worker.encoders is not None:
             self._engine.worker.encoders.set_placement(plan.encoders)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hetero.encoder_planner import EncoderProfile, best_placement, predict_placement, samples_by_place
-from lightning_hetero.multimodal import carrying, check_placement
+from lightning_hetero.multimodal import carrying
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
 
@@ -284,7 +284,7 @@ def _analyzer_profile(trainer: L.Trainer) -> Optional[EncoderProfile]:
 def _cannot_place(strategy: "HeteroStrategy", module: Any, placement: dict[str, str]) -> Optional[str]:
     """Why ``placement`` (a checkpoint's) cannot run on this run's layout, or ``None`` where it can."""
     try:
-        replace(strategy.plan, encoders=check_placement(placement)).place_blocks(module)
+        strategy.placed_plan(placement, module)
     except ValueError as error:
         return str(error)
     return None
