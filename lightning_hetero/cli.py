@@ -49,9 +49,8 @@ class HeteroCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """A plan given to the strategy (``--trainer.strategy.init_args.plan plan.yaml``) is the run's
         layout: the layout arguments a config also sets are left to it, and said so."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        strategy = config.get("trainer.strategy")
-        init = strategy.get("init_args") if isinstance(getattr(strategy, "class_path", None), str) else None
+        strategy = self._strategy_config()
+        init = strategy.get("init_args") if strategy is not None else None
         if init is None or init.get("plan") is None or not issubclass(_class(strategy.class_path), HeteroStrategy):
             return
         reset = sorted(name for name, default in _LAYOUT_DEFAULTS.items() if name in init and init[name] != default)
@@ -71,11 +70,16 @@ class HeteroCLI(LightningCLI):
                 raise
             raise type(refused)(f"--trainer.strategy: {refused}") from None
 
-    def _strategy_error(self) -> Optional[Exception]:
-        """The error the configured strategy class raises for its arguments, if it does."""
+    def _strategy_config(self) -> Any:
+        """``trainer.strategy`` as configured, where it names a class (``None`` for a string such as "hetero")."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         strategy = config.get("trainer.strategy")
-        if not isinstance(getattr(strategy, "class_path", None), str):
+        return strategy if isinstance(getattr(strategy, "class_path", None), str) else None
+
+    def _strategy_error(self) -> Optional[Exception]:
+        """The error the configured strategy class raises for its arguments, if it does."""
+        strategy = self._strategy_config()
+        if strategy is None:
             return None
         try:
             cls = _class(strategy.class_path)

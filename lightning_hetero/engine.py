@@ -199,7 +199,7 @@ class StepEngine:
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
         buffers = buffer_versions(worker.module) if not self._buffers_checked else None
         try:
-            worker.nominal["training_step"] = max(worker.nominal.get("training_step", 0), shares.batch_size)
+            worker.saw_batch("training_step", shares.batch_size)
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
         except BaseException:
             self.sync.abort()
@@ -321,7 +321,7 @@ class StepEngine:
         cpu_share = shares.pipeline_size < shares.batch_size
         if cpu_share:
             self.refresh_replicas(optimizer)
-        self.worker.nominal[method] = max(self.worker.nominal.get(method, 0), shares.batch_size)
+        self.worker.saw_batch(method, shares.batch_size)
         report, output = self.worker.eval_step(method, batch, rest, shares)
         if method != "predict_step":
             self._share(report, one_way=not cpu_share)

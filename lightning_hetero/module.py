@@ -300,18 +300,16 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
     """The optimizers ``configure_optimizers`` gave, for the hetero strategy in ``mode``; raise a
     clear error where they cannot train (found in each process, at setup). State made in their
     constructors for the layers this process does not hold is dropped."""
-    for optimizer in optimizers:
-        if isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS):
+    for optimizer in (getattr(o, "_optimizer", o) for o in optimizers):
+        if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS re-evaluates the loss inside `optimizer.step` and treats all parameters as one vector,"
                 " which the hetero strategy cannot split between stages. Use a first-order optimizer."
             )
-    for optimizer in optimizers:
         # State an optimizer made in its constructor (Adagrad's sums) for the layers other stages
         # hold is on the meta device with them: those stages keep it, not this one.
-        state = getattr(optimizer, "_optimizer", optimizer).state
-        for param in [p for p in state if p.is_meta]:
-            del state[param]
+        for param in [p for p in optimizer.state if p.is_meta]:
+            del optimizer.state[param]
     if mode != "fine":
         return
     if is_overridden("configure_gradient_clipping", model):

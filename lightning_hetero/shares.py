@@ -108,8 +108,8 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     """Samples ``[start, stop)`` of a batch of any structure Lightning takes (dicts, lists, tuples,
     named tuples, dataclasses, mappings such as a tokenizer's ``BatchEncoding``): every tensor with
     one row per sample is sliced, and so is every list of plain values with one per sample (strings,
-    ids) and every list of samples (``_samples``); what is not per sample (a 0-dim tensor, a number, a list of another length) goes to every
-    worker whole."""
+    ids) and every list of samples (``_samples``); what is not per sample (a 0-dim tensor, a number,
+    a list of another length) goes to every worker whole."""
     return _slice(batch, start, stop, batch_size_of(batch))
 
 

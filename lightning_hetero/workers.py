@@ -188,8 +188,8 @@ class Worker:
         self.params = list(params)
         self.placement = placement
         self.nominal: dict[str, int] = {}
-        """Per step method, the largest batch it has run on (by the engine, every step, every rank):
-        what a fixed ``self.log(batch_size=...)`` names (``results.LogCapture``)."""
+        """Per step method, the largest batch it has run on (``saw_batch``): what a fixed
+        ``self.log(batch_size=...)`` names (``results.LogCapture``)."""
         self.fresh_grads: list[Tensor | None] | None = None
         self.norm: Optional[ReplicaNorm] = None
         """What this replica does about the model's BatchNorm layers (``batchnorm.py``), where it has any."""
@@ -365,6 +365,10 @@ class Worker:
         if old is not None:
             restore_grads(self.params, old)
         return result
+
+    def saw_batch(self, method: str, batch_size: int) -> None:
+        """Every step, on every rank: ``method`` ran on a batch of ``batch_size`` (``nominal``)."""
+        self.nominal[method] = max(self.nominal.get(method, 0), batch_size)
 
     def _run_step(self, method: str, batch: Any, rest: tuple, samples: int, batch_size: int) -> tuple[WorkerReport, Any]:
         with LogCapture(self.module, samples, batch_size, self.nominal.get(method)) as capture:

@@ -31,9 +31,11 @@ class FakeWorker:
         self.param = nn.Parameter(torch.zeros(2))
         self.module = nn.Module()  # the worker's model: no buffers
         self.fresh_grads: Optional[list] = None
-        self.nominal: dict[str, int] = {}
         self.pace = 0.0
         self.policies: list[str] = []
+
+    def saw_batch(self, method: str, batch_size: int) -> None:
+        pass
 
     def arrivals(self, shares: Shares, batch: Any) -> Arrivals:
         return Arrivals(1)
