@@ -5,7 +5,7 @@ only, no memory). In fine mode, offloaded buckets keep their optimizer state out
 optimizer; checkpoints still hold every parameter's state in torch's ordinary format.
 
 A CPU worker that had no share of the last optimizer steps kept out of their gradient sums, so
-its replica is stale; ``refresh_replicas`` brings it up to date from the stages before it is
+its replica is stale (parameters, buffers, optimizer state); ``refresh_replicas`` brings it up to date from the stages before it is
 used again (a share of a batch, a checkpoint, the end of training). Where a CPU worker exists, global rank 0 is one and holds the whole model and
 optimizer state, so checkpoints need nothing from here. Without a CPU worker, rank 0 is stage 0,
 and these helpers gather the stages' slices into one ordinary state dict, keyed exactly as a
@@ -15,7 +15,7 @@ single-process model's, which a plain ``Trainer`` loads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from torch.optim import Optimizer
 
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 from lightning_hetero.topology import gather_object_to
+
+if TYPE_CHECKING:
+    from lightning_hetero.workers import Placement
 
 __all__ = [
     "refresh_replicas",
@@ -159,38 +162,42 @@ def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], 
 
 
 def refresh_replicas(
-    is_cpu_worker: bool,
-    sync_groups: Sequence[dist.ProcessGroup | None],
-    stage_ranks: Sequence[int],
-    stage_params: Sequence[Sequence[nn.Parameter]],
-    optimizer: Optional[Optimizer],
-    steps: Sequence[BucketStep],
+    is_cpu_worker: bool, placement: "Placement", module: nn.Module, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]
 ) -> None:
-    """Every stage sends its parameters and their optimizer state to the CPU workers, which take
-    them into their replica (a collective over each stage's sync group, on every member)."""
+    """Every stage sends its parameters, its buffers (the steps the CPU workers kept out of wrote
+    them: a step counter, spectral norm's vectors, BatchNorm's statistics) and its parameters'
+    optimizer state to the CPU workers, which take them into their replica (a collective over each
+    stage's sync group, on every member)."""
     gathered: dict[int, Any] = {}
-    for s, group in enumerate(sync_groups):
+    for s, group in enumerate(placement.sync_groups):
         if group is None:
             continue
-        params = list(stage_params[s])
+        src = placement.stage_ranks[s]
+        params = placement.stage_params(s)
         if params:
             flat = torch.cat([p.detach().reshape(-1).cpu() for p in params]) if not is_cpu_worker else None
             if flat is None:
                 flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
-            dist.broadcast(flat, src=stage_ranks[s], group=group)
+            dist.broadcast(flat, src=src, group=group)
             if is_cpu_worker:
                 with torch.no_grad():
                     offset = 0
                     for p in params:
                         p.copy_(flat[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
+        buffers = placement.stage_buffers(s, module)
         mine = None
-        if optimizer is not None and not is_cpu_worker:
-            mine = move_data_to_device(with_offloaded_state(optimizer, steps)["state"], "cpu")
+        if not is_cpu_worker:
+            state = with_offloaded_state(optimizer, steps)["state"] if optimizer is not None else None
+            mine = move_data_to_device((state, [b.detach() for b in buffers]), "cpu")
         box = [mine]
-        dist.broadcast_object_list(box, src=stage_ranks[s], group=group)
-        if is_cpu_worker and box[0]:
-            gathered.update(box[0])
+        dist.broadcast_object_list(box, src=src, group=group)
+        if is_cpu_worker:
+            state, values = box[0]
+            gathered.update(state or {})
+            with torch.no_grad():
+                for buffer, value in zip(buffers, values):
+                    buffer.copy_(value)
     if is_cpu_worker and optimizer is not None:
         state = {"state": gathered, "param_groups": optimizer.state_dict()["param_groups"]}
         load_with_offloaded_state(optimizer, state, steps)

@@ -128,6 +128,14 @@ class Placement:
         each once, tied ones too."""
         return _unique(self._params_of(*self.bounds[stage]))
 
+    def stage_buffers(self, stage: int, module: nn.Module) -> list[Tensor]:
+        """The buffers ``stage`` keeps, each once: its blocks', or all of ``module``'s where one stage
+        holds it whole (a replica's blocks hold only parameters)."""
+        if len(self.bounds) == 1:
+            return list(module.buffers())
+        start, stop = self.bounds[stage]
+        return _unique(b for layer in self.layers[start:stop] for b in layer.buffers())
+
     def stage_params_all(self) -> list[list[nn.Parameter]]:
         return [self.stage_params(s) for s in range(len(self.bounds))]
 
@@ -480,8 +488,7 @@ class CpuWorker(_WholeModel):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        place = self.placement
-        refresh_replicas(True, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+        refresh_replicas(True, self.placement, self.module, optimizer, steps)
 
 
 class SoleStage(_WholeModel):
@@ -511,8 +518,7 @@ class SoleStage(_WholeModel):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        place = self.placement
-        refresh_replicas(False, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+        refresh_replicas(False, self.placement, self.module, optimizer, steps)
 
 
 class DeviceReplica(SoleStage):
@@ -670,8 +676,7 @@ class StageWorker(Worker):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        place = self.placement
-        refresh_replicas(False, place.sync_groups, place.stage_ranks, place.stage_params_all(), optimizer, steps)
+        refresh_replicas(False, self.placement, self.module, optimizer, steps)
 
     @override
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:

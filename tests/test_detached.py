@@ -57,6 +57,29 @@ def test_idle_cpu_worker_keeps_out_and_catches_up(tmp_path: Path, mode: str, off
         assert sums[:4] == [0.0] * 4 and sums[8:] == [0.0] * 4  # and took no part while idle
 
 
+class SpectralNet(Net):
+    """`Net` with spectral norm on a layer: each training forward takes a power-iteration step in the
+    layer's buffers, the same on every worker that runs one, whatever its share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        torch.nn.utils.parametrizations.spectral_norm(self.layers[2])
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_an_idle_cpu_worker_catches_up_with_the_buffers_too(tmp_path: Path, mode: str) -> None:
+    """The stages' buffers travel with their parameters: a CPU worker that kept out of steps (as
+    `cpu_fraction="auto"` has it do at first) computes with, and returns, the buffers one process has."""
+    plain = SpectralNet()
+    trainer(None, max_steps=12).fit(plain, regression_data())
+    model = SpectralNet()
+    switch = SwitchFraction({0: 0.0, 4: 0.5, 8: 0.0})
+    strategy = hetero(mode=mode, parallelism="replicas", stages=["cpu"], cpu_fraction=0.0)
+    trainer(strategy, max_steps=12, callbacks=[switch]).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL  # the buffers are in the state dict
+
+
 def test_checkpoint_written_while_idle_is_whole(tmp_path: Path) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     trainer(hetero(cpu_fraction=0.0), max_steps=4, callbacks=[checkpoint], enable_checkpointing=True).fit(
