@@ -24,7 +24,9 @@ rank knows: the batch, the CPU fraction, and the exchanged reports.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import time
 import warnings
 from collections.abc import Generator, Mapping
@@ -45,6 +47,7 @@ from lightning_hetero.module import buffer_versions
 from lightning_hetero.record import Recorder, StepClock, span
 from lightning_hetero.results import LoggedValue, WorkerReport, combine_logs, combine_loss, merge_outputs
 from lightning_hetero.shares import Shares
+from lightning_hetero.signals import StepSignals
 from lightning_hetero.sync import Clipping, GradSync
 from lightning_hetero.topology import gather_object_to
 from lightning_hetero.workers import GradPolicy, Worker
@@ -118,6 +121,8 @@ class StepEngine:
         self.report_device_stats = False
         self._buffers_checked = False
         self.latest_device_stats: dict[str, dict[str, float]] = {}
+        self.signals: Optional[StepSignals] = None
+        """The trainer's signal handling, where several processes run (``signals.py``)."""
         self._exchange = exchange
         self._log = log
         self._names = names
@@ -277,7 +282,11 @@ class StepEngine:
         same. ``one_way``: the CPU workers computed nothing, and the stages need not hear from them."""
         if self.report_device_stats:
             report.device = device_stats(self._device, meter="step")
+        if self.signals is not None:
+            report.signals = self.signals.pending
         reports = self._exchange(report, one_way)
+        if self.signals is not None:
+            self.signals.agree(functools.reduce(operator.or_, (r.signals for r in reports), 0))
         if self.report_device_stats:
             self.latest_device_stats = {name: r.device or {} for name, r in zip(self._names, reports)}
         self._log(combine_logs(reports))

@@ -56,6 +56,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessExitedException
 from typing_extensions import override
 
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
+_TERMINATED = "hetero: terminated by SIGTERM"
+"""What global rank 0 returns to the main process (fork, spawn) when a SIGTERM ended the run."""
 EXIT_S = 10.0
 """How long a rank that closed its connections may take to end, before the error says no rank has."""
 
@@ -134,7 +137,14 @@ class _Processes(_MultiProcessingLauncher):
         )
         self.procs = context.processes
         _join(context, self._strategy.rank_name)
+        if return_queue.empty():
+            raise RuntimeError(
+                "[hetero] Every process ended without a failure, but global rank 0 returned no result: a rank left"
+                " the trainer call by `sys.exit`."
+            )
         worker_output = return_queue.get()
+        if isinstance(worker_output, str) and worker_output == _TERMINATED:
+            raise SIGTERMException()  # every rank ended at the same step after a SIGTERM (`signals.py`)
         if trainer is None:
             return worker_output
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
@@ -151,6 +161,10 @@ class _Processes(_MultiProcessingLauncher):
         try:
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
             failed = False
+        except SIGTERMException:
+            # Every rank raises it at the same step (`signals.py`); the main process raises it in turn.
+            if process_idx == 0:
+                rest[0].put(_TERMINATED)
         except BaseException as error:
             if _distributed_is_initialized():  # the error happened in this worker's run
                 error.add_note(self._strategy.describe_rank())

@@ -83,6 +83,8 @@ class WorkerReport:
     """The rank's process and device stats (``devices.device_stats``), where the run reports them."""
     nonfinite: tuple[str, ...] = ()
     """What of this rank's training step was NaN or Inf: its ``"loss"``, its ``"gradients"`` (``finite.py``)."""
+    signals: int = 0
+    """The signals this rank noted since its last report (``signals.py``), for every rank to act on."""
 
 
 class LogCapture:
@@ -175,7 +177,8 @@ class ReportExchange:
     next call, when its CPU worker has received it). Every rank ends with the same list, the CPU
     workers' reports empty, except that a CPU worker keeps its own device stats (the stages and the
     other CPU workers do not see them in such a step). Every rank decides ``one_way`` alike, from
-    the shares of the optimizer step's batches.
+    the shares of the optimizer step's batches. (A CPU worker's own entry leaves out its noted
+    signals too, which every rank must agree on: they travel with the next step it computes in.)
     """
 
     def __init__(
@@ -208,7 +211,8 @@ class ReportExchange:
             stage_reports = self._stages(report) if self._stages is not None else [report]
             if self._rank == first_stage:
                 self._sends = _send(stage_reports, range(first_stage), self.group)
-        cpu_reports = [report if rank == self._rank else WorkerReport() for rank in range(first_stage)]
+        own = dataclasses.replace(report, signals=0)
+        cpu_reports = [own if rank == self._rank else WorkerReport() for rank in range(first_stage)]
         return cpu_reports + stage_reports
 
     def flush(self) -> None:

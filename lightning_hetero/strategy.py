@@ -62,6 +62,7 @@ from lightning_hetero.precision import HeteroPrecision
 from lightning_hetero.record import StepRecord
 from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import batch_size_of
+from lightning_hetero.signals import StepSignals
 from lightning_hetero.state import move_materialized
 from lightning_hetero.topology import ProcessGroups, StagesArg, connect, record_failure, resolve_stage_devices
 from lightning_hetero.workers import check_emulated_speed
@@ -310,6 +311,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         module = self.lightning_module
         self._engine = self._engine or self._place(module)
         self._engine.worker.on_setup()
+        self._engine.signals = StepSignals.install(trainer)
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)

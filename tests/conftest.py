@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from pathlib import Path
@@ -149,6 +150,30 @@ class Fault(L.Callback):
         if self.how == "interrupt":
             raise KeyboardInterrupt
         raise RuntimeError("injected fault")
+
+
+class SelfSignal(L.Callback):
+    """Makes each of ``ranks`` (global ranks; ``None``: every rank) send itself ``signum`` once, in
+    training step ``step``, each at its own point of the step: global rank r before the step
+    (``r % 3 == 0``), after its backward (1) or after the step (2), as a signal sent to every
+    process at once lands in each at a different point. Writes each rank's global step after every
+    training batch to ``out_dir/step{rank}.txt``."""
+
+    POINTS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+    def __init__(self, signum: int, step: int, out_dir: Path, ranks: list[int] | None = None) -> None:
+        self.signum, self.step, self.out_dir, self.ranks, self.sent = signum, step, out_dir, ranks, False
+        for point in self.POINTS:
+            setattr(self, point, functools.partial(self._maybe_send, point))
+
+    def _maybe_send(self, point: str, trainer: L.Trainer, *args: Any) -> None:
+        rank = trainer.global_rank
+        if point == "on_train_batch_end":
+            (self.out_dir / f"step{rank}.txt").write_text(str(trainer.global_step))
+        mine = self.ranks is None or rank in self.ranks
+        if mine and not self.sent and trainer.global_step == self.step and point == self.POINTS[rank % 3]:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
 
 
 def worker_processes() -> list[psutil.Process]:

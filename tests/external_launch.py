@@ -25,6 +25,9 @@ each process), then fits with a `WorkloadAnalyzer`: the layout stays as validati
 the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit (the other
 ranks also do with `--checkpoint-after-exit`). `--fail-before-fit LOCAL_RANK` makes that rank raise
 before it makes its Trainer.
+`--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
+step STEP, each at its own point of the step (`tests.conftest.SelfSignal`); each rank writes its
+global step after every batch to OUT_DIR/step{N}.txt.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
 `BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
@@ -35,6 +38,7 @@ OUT_DIR/optimizer{N}.pt (`tests.conftest.OptimizerMemory`).
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -45,7 +49,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hetero.callbacks import WorkloadAnalyzer  # noqa: E402
-from tests.conftest import Fault, OptimizerMemory, hetero, trainer  # noqa: E402
+from tests.conftest import Fault, OptimizerMemory, SelfSignal, hetero, trainer  # noqa: E402
 from tests.models import BatchNormNet, Net, TiedNet, regression_data  # noqa: E402
 
 
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
+    parser.add_argument("--signal", help="NAME:STEP[:RANK], e.g. SIGUSR1:5 (every rank) or SIGTERM:3:0")
     args = parser.parse_args()
     if args.fail_before_fit is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_before_fit:
         raise FileNotFoundError("this rank's data is missing")
@@ -91,6 +96,10 @@ def main() -> None:
     if args.fault:
         rank, step, how = args.fault.split(":")
         callbacks.append(Fault(int(rank), int(step), how, once=args.out_dir / "fault.done"))
+    if args.signal:
+        name, step, *rank = args.signal.split(":")
+        ranks = [int(r) for r in rank] or None
+        callbacks.append(SelfSignal(getattr(signal, name), int(step), args.out_dir, ranks))
     if args.resume:
         callbacks.append(ModelCheckpoint(dirpath=args.resume, filename="{step}", every_n_train_steps=4, save_last=True))
     if args.analyzer:

@@ -111,7 +111,8 @@ def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
     seen = []
     for step in range(4):  # one way, both ways, one way twice (the sends of one step released at the next)
         one_way = step != 1
-        mine = WorkerReport() if one_way and rank < cpu_workers else _sent(rank, step)
+        # A CPU worker's noted signal stays out of even its own copy: every rank must agree on them.
+        mine = WorkerReport(signals=1) if one_way and rank < cpu_workers else _sent(rank, step)
         seen.append(share(mine, one_way=one_way))
     share.flush()  # the last step's reports delivered before the groups go
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))

@@ -1,0 +1,113 @@
+"""SIGTERM and SLURM's requeue signal, acted on by every rank at the same step.
+
+Lightning acts on a signal where it lands. Its SIGTERM handler broadcasts from rank 0 inside the
+handler, and its training loop broadcasts a SIGTERM flag from rank 0 before every step. Its SLURM
+auto-requeue handler (``SLURMEnvironment(auto_requeue=True)``, the default, on the signal that
+``#SBATCH --signal=SIGUSR1@90`` sends) saves a checkpoint inside the handler, which here is a
+collective: every rank contributes its stage's state. A signal reaches each process at its own
+point of the step, so those collectives meet the step's own (a pipeline's sends, the exchange of
+the step's reports) and the run fails.
+
+Here a handler only notes its signal. The note travels in the step's report exchange, which every
+rank takes part in anyway (``engine.py``), and every rank acts on what any rank noted, at the same
+point: after a SIGTERM the step ends and every rank raises Lightning's ``SIGTERMException`` (for
+``on_exception`` callbacks), as Lightning does after its broadcast; after the requeue signal, every
+rank saves Lightning's HPC checkpoint (``hpc_ckpt_N.ckpt``, which ``fit(ckpt_path="hpc")`` resumes
+from) at the start of the next training step, and rank 0 requeues the job with ``scontrol``. That
+also saves Lightning's broadcast at every step, which made every step of every rank start when
+global rank 0 (a CPU worker) got there, even where the CPU workers have no share of the batch.
+
+[Note: a signal that lands late]
+SLURM signals every task once, but a rank can note it after the exchange in which another rank's
+note was agreed on. A rank that had not noted a requeue signal when one was agreed on takes the
+next one it gets as that same signal, so the job is checkpointed and requeued once. (Every rank
+acts on SIGTERM once anyway: it ends the run.)
+
+Where the CPU workers have no share of a batch, they do not report to the stages ([Note: one-way
+exchange] in ``results.py``): their notes travel with the next step in which they compute. Under
+popen, global rank 0 (a CPU worker) passes a SIGTERM it gets on to the other processes, as
+Lightning's launcher does.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import TYPE_CHECKING, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM, _SignalConnector
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["StepSignals", "TERMINATE", "REQUEUE"]
+
+log = logging.getLogger(__name__)
+
+TERMINATE = 1
+REQUEUE = 2
+
+
+class StepSignals(_SignalConnector):
+    """Lightning's signal connector, with the handlers only noting their signal (``pending``) and
+    every rank acting on what ``agree`` hears from all (see the module's note)."""
+
+    def __init__(self, trainer: "pl.Trainer") -> None:
+        super().__init__(trainer)
+        self.pending = 0
+        """The signals this process noted that no exchange has carried yet (``TERMINATE | REQUEUE``)."""
+        self._expected = 0
+        self._requeue = False
+
+    @classmethod
+    def install(cls, trainer: "pl.Trainer") -> Optional[StepSignals]:
+        """Take over the trainer's signal handling for a run of several processes (before the
+        trainer registers its handlers); None for one process, where Lightning's acts alike."""
+        if trainer.world_size < 2:
+            return None
+        signals = cls(trainer)
+        trainer._signal_connector = signals
+        # The training loop's broadcast of rank 0's SIGTERM flag, at the start of every step.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = signals.at_step_start  # type: ignore[method-assign]
+        return signals
+
+    def register_signal_handlers(self) -> None:
+        super().register_signal_handlers()
+        self.pending, self._expected, self._requeue = 0, 0, False
+
+    def _sigterm_notifier_fn(self, signum: _SIGNUM, _: Optional[FrameType]) -> None:
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
+        if not (self.pending & TERMINATE or self.received_sigterm):
+            launcher = self.trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # popen: rank 0 passes it on to the processes it started
+        self.pending |= TERMINATE
+
+    def _slurm_sigusr_handler_fn(self, signum: _SIGNUM, _: Optional[FrameType]) -> None:
+        if self._expected & REQUEUE:  # the signal already agreed on, landing late here
+            self._expected &= ~REQUEUE
+        else:
+            self.pending |= REQUEUE
+
+    def agree(self, noted: int) -> None:
+        """``noted``: what any rank's report carried in this exchange (the same on every rank)."""
+        if not noted:
+            return
+        self._expected |= noted & REQUEUE & ~self.pending
+        self.pending &= ~noted
+        if noted & TERMINATE:
+            self.received_sigterm = True
+        self._requeue |= bool(noted & REQUEUE)
+
+    def at_step_start(self) -> None:
+        """In place of Lightning's per-step broadcast: save and requeue, or end, as agreed."""
+        if self._requeue:
+            self._requeue = False
+            environment = self.trainer._accelerator_connector.cluster_environment
+            signum = getattr(environment, "requeue_signal", None) or signal.SIGUSR1
+            super()._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+        if self.received_sigterm:
+            raise SIGTERMException()

@@ -1,0 +1,69 @@
+"""A signal reaches each process at its own point of a step; every rank acts on it at the same step
+(`lightning_hetero/signals.py`): SIGTERM ends training on every rank after one step, and SLURM's
+requeue signal saves one whole checkpoint and requeues the job once, while training goes on."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from tests.conftest import SelfSignal, hetero, max_param_diff, trainer
+from tests.models import Net, regression_data
+from tests.test_launchers import SCRIPT, clean_env, slurm_tasks
+
+TOL = 1e-10
+
+
+def last_steps(out: Path, ranks: int = 3) -> list[int]:
+    return [int((out / f"step{rank}.txt").read_text()) for rank in range(ranks)]
+
+
+def test_sigterm_after_the_exchange_ends_every_rank_after_the_next_step(tmp_path: Path) -> None:
+    """Global rank 1 notes it after its backward in step 3, when the step's results have been
+    exchanged: every rank learns of it in step 4 and ends after that step (fork: the main process
+    raises Lightning's `SIGTERMException`, as a single process does)."""
+    strategy = hetero(cpu_fraction=0.5, timeout=20)
+    t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[1])])
+    with pytest.raises(SIGTERMException):
+        t.fit(Net(), regression_data())
+    assert last_steps(tmp_path) == [5, 5, 5]
+
+
+def test_sigterm_to_the_main_process_of_a_popen_run_ends_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    """`kill PID` of a popen run: rank 0 notes it before step 3 and passes it on to the processes it
+    started, which get it wherever they are; every rank ends after step 3, as in one process."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--signal", "SIGTERM:3:0"]
+    done = subprocess.run(command, env=clean_env(), timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # Lightning's SIGTERMException is a SystemExit
+    assert last_steps(tmp_path) == [4, 4, 4]
+    assert not (tmp_path / "state.pt").exists()  # the script ended in `fit`
+
+
+def test_slurm_requeue_signal_checkpoints_and_requeues_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLURM signals every task of a job (`#SBATCH --signal=SIGUSR1@90`) and each gets it at its own
+    point of step 5. Lightning's handler would save its checkpoint (a collective here) right there;
+    instead every rank saves it at the start of step 6, and rank 0 asks `scontrol` once."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.txt"}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert slurm_tasks([str(SCRIPT), str(out), "--signal", "SIGUSR1:5"], cwd=tmp_path) == [0, 0, 0]
+    assert (tmp_path / "scontrol.txt").read_text() == "requeue 1\n"
+    assert [p.name for p in tmp_path.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]
+    checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 6
+    at_six, at_eight = Net(), Net()
+    trainer(None, max_steps=6).fit(at_six, regression_data())
+    trainer(None, max_steps=8).fit(at_eight, regression_data())
+    assert max_param_diff(at_six.state_dict(), checkpoint["state_dict"]) < TOL
+    assert max_param_diff(at_eight.state_dict(), torch.load(out / "state.pt")) < TOL  # training went on
