@@ -77,6 +77,8 @@ class StepState:
     """The CPU fraction this batch ran with."""
     step: int = 0
     """The trainer's global step this batch belongs to."""
+    zeroes: bool = False
+    """This batch starts the window, and the module's own ``optimizer_zero_grad`` is to zero its gradients."""
     clock: Optional[StepClock] = field(default=None, repr=False)
     """This batch's timings, from ``on_train_batch_start`` to its end."""
 
@@ -200,7 +202,8 @@ class StepEngine:
         consumes = state.syncs and self.sync.begin(
             worker.arrivals(shares, batch), _clipping(trainer), state.detached, not worker.keeps_out(state.detached)
         )
-        zero_grad = first and not is_overridden("optimizer_zero_grad", trainer.lightning_module)
+        own_zero_grad = is_overridden("optimizer_zero_grad", trainer.lightning_module)
+        zero_grad, state.zeroes = first and not own_zero_grad, first and own_zero_grad
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
         buffers = buffer_versions(worker.module) if not self._buffers_checked else None
         try:
@@ -234,6 +237,8 @@ class StepEngine:
     def backward(self) -> None:
         """Step 2 (Lightning has zeroed ``.grad`` where the window starts): put the share's gradients
         back, and at the window's last batch sum them over the workers."""
+        if self.state.zeroes:
+            _check_zeroed(self.worker.params, self.state.step)
         self.worker.put_back_grads()
         if self.state.syncs and not self.state.skip:
             self.sync.finish(self.state.clock)
@@ -355,6 +360,19 @@ def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]])
             " outside the training step (e.g. in `on_train_batch_end`, from values logged or returned), or keep"
             " them out of training.",
             stacklevel=2,
+        )
+
+
+def _check_zeroed(params: list[torch.nn.Parameter], step: int) -> None:
+    """After a module's own ``optimizer_zero_grad``, at the start of an optimizer step: no gradient
+    may be left from the step before, which every worker holds summed and would add in again."""
+    if any(p.grad is not None and bool(p.grad.any()) for p in params):
+        raise RuntimeError(
+            f"Your `optimizer_zero_grad` left gradients in place at the start of optimizer step {step}. The"
+            " hetero strategy sums every worker's gradients for each optimizer step, so gradients kept from"
+            " an earlier step would be counted once per worker. Accumulate over batches with"
+            " `Trainer(accumulate_grad_batches=N)` instead, or zero them in your override"
+            " (`optimizer.zero_grad()`)."
         )
 
 

@@ -1,0 +1,40 @@
+"""The module's own hooks under the strategy: those it follows train as one process does, and
+those it cannot follow are refused clearly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import hetero, max_param_diff, trainer
+from tests.models import Net, regression_data
+
+TOL = 1e-10
+
+
+class ZeroesEveryOtherStep(Net):
+    """Keeps the gradients of odd batches for the next optimizer step (accumulating by hand)."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if batch_idx % 2 == 0:
+            optimizer.zero_grad()
+
+
+class ZeroesInPlace(Net):
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+def test_an_optimizer_zero_grad_that_keeps_gradients_is_refused_where_it_does() -> None:
+    """Every worker holds the summed gradients after a step: kept, they would be summed again."""
+    with pytest.raises(Exception, match="left gradients in place at the start of optimizer step 1"):
+        trainer(hetero(cpu_fraction=0.5), max_steps=4).fit(ZeroesEveryOtherStep(scheduler=False), regression_data())
+
+
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_an_optimizer_zero_grad_that_zeroes_in_place_trains_as_one_process(parallelism: str) -> None:
+    plain, model = ZeroesInPlace(), ZeroesInPlace()
+    trainer(None, max_steps=6).fit(plain, regression_data())
+    trainer(hetero(cpu_fraction=0.4, parallelism=parallelism), max_steps=6).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL
