@@ -288,7 +288,7 @@ class StepEngine:
         if self.report_device_stats:
             report.device = device_stats(self._device, meter="step")
         if self.signals is not None:
-            report.signals = self.signals.pending
+            report.signals = self.signals.noted()
         reports = self._exchange(report, one_way)
         if self.signals is not None:
             self.signals.agree(functools.reduce(operator.or_, (r.signals for r in reports), 0))

@@ -84,7 +84,8 @@ class WorkerReport:
     nonfinite: tuple[str, ...] = ()
     """What of this rank's training step was NaN or Inf: its ``"loss"``, its ``"gradients"`` (``finite.py``)."""
     signals: int = 0
-    """The signals this rank noted since its last report (``signals.py``), for every rank to act on."""
+    """The signals this rank noted since its last report, and whether its trainer is to stop
+    (``signals.py``), for every rank to act on."""
 
 
 class LogCapture:

@@ -1,4 +1,5 @@
-"""SIGTERM and SLURM's requeue signal, acted on by every rank at the same step.
+"""SIGTERM, SLURM's requeue signal and a step method's ``trainer.should_stop``, acted on by every
+rank at the same step.
 
 Lightning acts on a signal where it lands. Its SIGTERM handler broadcasts from rank 0 inside the
 handler, and its training loop broadcasts a SIGTERM flag from rank 0 before every step. Its SLURM
@@ -16,6 +17,10 @@ rank saves Lightning's HPC checkpoint (``hpc_ckpt_N.ckpt``, which ``fit(ckpt_pat
 from) at the start of the next training step, and rank 0 requeues the job with ``scontrol``. That
 also saves Lightning's broadcast at every step, which made every step of every rank start when
 global rank 0 (a CPU worker) got there, even where the CPU workers have no share of the batch.
+
+A step method (``training_step``, ``validation_step``) that sets ``self.trainer.should_stop`` runs
+only on the ranks that compute the step's outputs; its ``STOP`` travels the same way, so every rank
+stops after the same step (a pipeline's first stage would otherwise train on, alone).
 
 [Note: a signal that lands late]
 SLURM signals every task once, but a rank can note it after the exchange in which another rank's
@@ -43,12 +48,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepSignals", "TERMINATE", "REQUEUE"]
+__all__ = ["StepSignals", "TERMINATE", "REQUEUE", "STOP"]
 
 log = logging.getLogger(__name__)
 
 TERMINATE = 1
 REQUEUE = 2
+STOP = 4
+"""``trainer.should_stop``, where a step method set it: it runs only on the ranks that compute the
+step's outputs (the CPU workers with a share, a pipeline's last stage), which must not stop alone."""
 
 
 class StepSignals(_SignalConnector):
@@ -92,10 +100,16 @@ class StepSignals(_SignalConnector):
         else:
             self.pending |= REQUEUE
 
+    def noted(self) -> int:
+        """What this rank's report carries: the signals it noted, and ``STOP`` where its trainer is to stop."""
+        return self.pending | (STOP if self.trainer.should_stop else 0)
+
     def agree(self, noted: int) -> None:
         """``noted``: what any rank's report carried in this exchange (the same on every rank)."""
         if not noted:
             return
+        if noted & STOP:
+            self.trainer.should_stop = True
         self._expected |= noted & REQUEUE & ~self.pending
         self.pending &= ~noted
         if noted & TERMINATE:

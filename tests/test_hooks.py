@@ -38,3 +38,24 @@ def test_an_optimizer_zero_grad_that_zeroes_in_place_trains_as_one_process(paral
     trainer(None, max_steps=6).fit(plain, regression_data())
     trainer(hetero(cpu_fraction=0.4, parallelism=parallelism), max_steps=6).fit(model, regression_data())
     assert max_param_diff(plain, model) < TOL
+
+
+class StopsInItsStep(Net):
+    """Asks the trainer to stop from `training_step`, which a pipeline's first stage never runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= 4:
+            self.trainer.should_stop = True
+        return loss
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+def test_should_stop_set_in_the_step_method_stops_every_rank_after_that_step(cpu_fraction: float) -> None:
+    plain, model = StopsInItsStep(), StopsInItsStep()
+    reference = trainer(None, max_epochs=4)
+    reference.fit(plain, regression_data())
+    run = trainer(hetero(cpu_fraction=cpu_fraction, timeout=20), max_epochs=4)
+    run.fit(model, regression_data())
+    assert reference.global_step == 5
+    assert max_param_diff(plain, model) < TOL
