@@ -383,4 +383,13 @@ def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:
-    return [t.to(tensor.device) for t in gather_all_tensors(tensor.cpu(), group)]
+    """Every rank's ``tensor``, in the widest floating dtype any rank has for it: a state that this
+    rank's updates never touched (a stage before the last, a CPU worker without a share) keeps the
+    dtype torchmetrics made it in, float32, where updates with float64 values (``64-true``) made
+    the other ranks' float64, and gloo cannot gather tensors of different sizes."""
+    local = tensor.cpu()
+    if local.is_floating_point():
+        widths = gather_all_tensors(torch.tensor([local.element_size()]), group)
+        if max(int(w) for w in widths) > local.element_size():
+            local = local.double()
+    return [t.to(tensor.device) for t in gather_all_tensors(local, group)]

@@ -18,6 +18,8 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
 from lightning_hetero.data import same_batches_on_every_rank
 
+from torchmetrics.aggregation import MaxMetric
+
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
     Classifier,
@@ -72,6 +74,27 @@ def test_torchmetrics_see_every_sample_once(tmp_path: Path) -> None:
         assert plain and [s for s, _ in plain] == [s for s, _ in het], key
         assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < tolerance.get(key, TOL), key
     assert [v for _, v in column(rows["hetero"], "seen")] == ([12.0] * 4 + [8.0]) * 2
+
+
+class MaxError(Net):
+    """Validates with torchmetrics' `MaxMetric`: torchmetrics makes its state in float32, and a rank's
+    float64 updates make it float64 there, but not on a rank that computes no outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_error = MaxMetric()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.max_error((self(x) - y).abs().amax(1))
+        self.log("val_max_error", self.max_error)
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5, 1.0])
+def test_a_metric_that_some_ranks_never_update_syncs_with_the_others(cpu_fraction: float) -> None:
+    (plain,) = trainer(None).validate(MaxError(), regression_data(n=40, batch_size=8))
+    (het,) = trainer(hetero(cpu_fraction=cpu_fraction)).validate(MaxError(), regression_data(n=40, batch_size=8))
+    assert abs(plain["val_max_error"] - het["val_max_error"]) < TOL
 
 
 def test_early_stopping_and_checkpointing_decide_as_in_one_process(tmp_path: Path) -> None:
