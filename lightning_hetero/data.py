@@ -91,6 +91,24 @@ def training_loader(trainer: "pl.Trainer") -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
+_LOADERS = {
+    "training_step": "train_dataloader",
+    "validation_step": "val_dataloaders",
+    "test_step": "test_dataloaders",
+    "predict_step": "predict_dataloaders",
+}
+
+
+def loader_batch_size(trainer: "pl.Trainer", method: str, index: int = 0) -> Optional[int]:
+    """The ``batch_size`` of the loader whose batches ``method`` runs on (the ``index``-th of several),
+    where it names one (not where a batch sampler of the user's, or several training loaders, make the batches)."""
+    loaders = getattr(trainer, _LOADERS[method], None)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[index] if index < len(loaders) else None
+    size = getattr(loaders, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
 def with_workers(dataloader: object, workers: int) -> object:
     """The same loader with ``workers`` worker processes (a plan's split of the CPU's cores)."""
     if not isinstance(dataloader, DataLoader) or dataloader.num_workers == workers:

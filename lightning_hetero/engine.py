@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_hetero.data import loader_batch_size
 from lightning_hetero.devices import device_stats
 from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, nonfinite_error, nonfinite_parts
 from lightning_hetero.module import buffer_versions
@@ -207,7 +208,7 @@ class StepEngine:
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
         buffers = buffer_versions(worker.module) if not self._buffers_checked else None
         try:
-            worker.saw_batch("training_step", shares.batch_size)
+            worker.saw_batch("training_step", shares.batch_size, 0, loader_batch_size(trainer, "training_step"))
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
         except BaseException:
             self.sync.abort()
@@ -328,14 +329,23 @@ class StepEngine:
 
     # ---------------------------------------------------------- evaluation
 
-    def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares, optimizer: Optional[Optimizer]) -> Any:
+    def eval_step(
+        self,
+        method: str,
+        batch: Any,
+        rest: tuple,
+        shares: Shares,
+        optimizer: Optional[Optimizer],
+        loader: tuple[int, Optional[int]] = (0, None),
+    ) -> Any:
         """``validation_step``, ``test_step`` or ``predict_step`` on this rank's share. Logged values
         are combined as in training; predictions are assembled on the node's first rank from every
-        worker's, in batch order (``None`` elsewhere)."""
+        worker's, in batch order (``None`` elsewhere). ``loader``: the batch's dataloader's index
+        and ``batch_size`` (``Worker.saw_batch``)."""
         cpu_share = shares.pipeline_size < shares.batch_size
         if cpu_share:
             self.refresh_replicas(optimizer)
-        self.worker.saw_batch(method, shares.batch_size)
+        self.worker.saw_batch(method, shares.batch_size, *loader)
         report, output = self.worker.eval_step(method, batch, rest, shares)
         if method != "predict_step":
             self._share(report, one_way=not cpu_share)

@@ -46,7 +46,7 @@ import lightning.pytorch as pl
 from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.checkpoints import StageCheckpoints
 from lightning_hetero.collectives import ControlCollectives
-from lightning_hetero.data import same_batches_on_every_rank, with_workers
+from lightning_hetero.data import loader_batch_size, same_batches_on_every_rank, with_workers
 from lightning_hetero.devices import keep_freed_memory
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy, check_policy
@@ -420,7 +420,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
 
     def _eval_step(self, method: str, args: tuple, kwargs: dict) -> Any:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
-        return self._running.eval_step(method, batch, rest, self.shares(batch_size_of(batch)), self._optimizer())
+        index = rest[1] if len(rest) > 1 and isinstance(rest[1], int) else 0  # (batch_idx, dataloader_idx)
+        loader = (index, loader_batch_size(self.lightning_module.trainer, method, index))
+        return self._running.eval_step(method, batch, rest, self.shares(batch_size_of(batch)), self._optimizer(), loader)
 
     @property
     def engine(self) -> Optional[StepEngine]:

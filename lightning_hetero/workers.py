@@ -195,9 +195,11 @@ class Worker:
         self.module = module
         self.params = list(params)
         self.placement = placement
-        self.nominal: dict[str, int] = {}
-        """Per step method, the largest batch it has run on (``saw_batch``): what a fixed
+        self.nominal: dict[tuple[str, int], int] = {}
+        """Per step method and dataloader, the loader's batch size, or the largest batch the method has
+        run on where that is larger or the loader names none (``saw_batch``): what a fixed
         ``self.log(batch_size=...)`` names (``results.LogCapture``)."""
+        self._nominal_now: Optional[int] = None
         self.fresh_grads: list[Tensor | None] | None = None
         self.norm: Optional[ReplicaNorm] = None
         """What this replica does about the model's BatchNorm layers (``batchnorm.py``), where it has any."""
@@ -374,12 +376,14 @@ class Worker:
             restore_grads(self.params, old)
         return result
 
-    def saw_batch(self, method: str, batch_size: int) -> None:
-        """Every step, on every rank: ``method`` ran on a batch of ``batch_size`` (``nominal``)."""
-        self.nominal[method] = max(self.nominal.get(method, 0), batch_size)
+    def saw_batch(self, method: str, batch_size: int, loader: int = 0, loader_batch_size: Optional[int] = None) -> None:
+        """Every step, on every rank: ``method`` is to run on a batch of ``batch_size`` from its
+        ``loader``-th dataloader, which names ``loader_batch_size`` (``nominal``)."""
+        key = (method, loader)
+        self.nominal[key] = self._nominal_now = max(self.nominal.get(key, 0), batch_size, loader_batch_size or 0)
 
     def _run_step(self, method: str, batch: Any, rest: tuple, samples: int, batch_size: int) -> tuple[WorkerReport, Any]:
-        with LogCapture(self.module, samples, batch_size, self.nominal.get(method)) as capture:
+        with LogCapture(self.module, samples, batch_size, self._nominal_now) as capture:
             output = getattr(self.module, method)(batch, *rest)
         report = WorkerReport(samples=samples, logs=capture.logs)
         if method == "training_step":

@@ -34,7 +34,7 @@ class FakeWorker:
         self.pace = 0.0
         self.policies: list[str] = []
 
-    def saw_batch(self, method: str, batch_size: int) -> None:
+    def saw_batch(self, method: str, batch_size: int, loader: int = 0, loader_batch_size: Optional[int] = None) -> None:
         pass
 
     def arrivals(self, shares: Shares, batch: Any) -> Arrivals:

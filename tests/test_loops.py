@@ -97,6 +97,25 @@ def test_a_metric_that_some_ranks_never_update_syncs_with_the_others(cpu_fractio
     assert abs(plain["val_max_error"] - het["val_max_error"]) < TOL
 
 
+class LogsItsLoadersBatchSize(Net):
+    """Logs with a fixed `batch_size`, each validation loader's own, as one process would pass for every batch."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self(x), y), batch_size=[12, 8][dataloader_idx])
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.4, 0.5])
+def test_a_fixed_batch_size_is_each_loaders_own(cpu_fraction: float) -> None:
+    """The first loader's one batch is smaller than its `batch_size`, the second's last batch too:
+    each value weighs the shares by their samples, and the batch by the loader's batch size."""
+    loaders = lambda: [regression_data(n=6, batch_size=12), regression_data(n=20, batch_size=8, seed=3)]  # noqa: E731
+    plain = trainer(None).validate(LogsItsLoadersBatchSize(), loaders())
+    het = trainer(hetero(cpu_fraction=cpu_fraction)).validate(LogsItsLoadersBatchSize(), loaders())
+    for p, h in zip(plain, het):
+        assert p.keys() == h.keys() and all(abs(p[k] - h[k]) < TOL for k in p), (p, h)
+
+
 def test_early_stopping_and_checkpointing_decide_as_in_one_process(tmp_path: Path) -> None:
     outcome = {}
     for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5))):
