@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -205,6 +207,12 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
         if not _defines(model, method):
             raise TypeError(f"`{name}` does not follow the hetero model contract: it has no `{method}()`. {hint}")
     _check_training(model)
+    if isinstance(model, LightningModule) and is_overridden("backward", model):
+        raise ValueError(
+            f"`{name}` overrides `backward`, which a pipeline cannot call: its stages run the backward of"
+            " `pipeline_loss` micro-batch by micro-batch (torch's schedule). Train it as replicas"
+            " (`parallelism='replicas'`), where every worker calls your `backward`, or leave `backward` to Lightning."
+        )
     layers = model.pipeline_layers()
     if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)):
         raise TypeError(f"`{name}.pipeline_layers()` must return a list of modules, got {type(layers).__name__}.")
@@ -250,6 +258,12 @@ def _check_training(model: nn.Module) -> None:
         raise ValueError(
             f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
             " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
+        )
+    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(
+            f"`{name}.{sparse[0]}` makes sparse gradients (`sparse=True`), which the hetero strategy does not sum"
+            " between its workers. Use `sparse=False` (and a dense optimizer such as Adam in place of `SparseAdam`)."
         )
     step = getattr(model, "training_step", None)
     if callable(step) and (
@@ -320,6 +334,21 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
         )
     if len(optimizers) != 1:
         raise ValueError(f"Fine mode steps one optimizer bucket by bucket; `configure_optimizers` gave {len(optimizers)}.")
+    unfollowed = [f"`{hook}` {what}" for hook, what in _FINE_MODE_HOOKS.items() if is_overridden(hook, model)]
+    if unfollowed:
+        rank_zero_warn(
+            f"`{type(model).__name__}` overrides hooks that fine mode does not follow as one process does: it sums and"
+            f" steps each bucket of gradients during the backward, so {'; '.join(unfollowed)}. Use `mode='coarse'`"
+            " where a hook must see or decide the whole optimizer step (docs/fine-mode.md)."
+        )
+
+
+_FINE_MODE_HOOKS = {
+    "optimizer_step": "runs after the buckets have stepped (skipping `optimizer.step()` there skips nothing)",
+    "optimizer_zero_grad": "runs after the buckets have consumed their gradients (none is left to keep)",
+    "on_after_backward": "sees no gradients at an optimizer step's last batch (the buckets consumed them)",
+    "on_before_optimizer_step": "sees no gradients (the buckets consumed them)",
+}
 
 
 def layer_names(model: nn.Module, layers: Sequence[nn.Module]) -> list[str]:

@@ -77,6 +77,19 @@ def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
+def _step_without_closure(optimizer: Optimizer) -> None:
+    """Step a bucket: during the backward, where there is no loss to evaluate again."""
+    try:
+        optimizer.step()
+    except TypeError as error:
+        if "'NoneType' object is not callable" not in str(error):
+            raise
+        raise TypeError(
+            f"`{type(optimizer).__name__}.step` calls its closure (it evaluates the loss again), which fine mode"
+            " cannot give it: each bucket steps during the backward. Use `mode='coarse'`."
+        ) from error
+
+
 def _of_the_users_kind(optimizer: Optimizer, groups: list[dict], defaults: dict[str, Any]) -> Optimizer:
     """The user's optimizer class over ``groups``, built by its constructor from ``defaults``; where
     the constructor needs arguments its defaults do not hold (a subclass's own, such as a scale), a
@@ -143,7 +156,7 @@ class DeviceStep(BucketStep):
             # `load_state_dict` (resuming) replaces the user optimizer's state dict.
             self.optimizer.state = self.user.state
             self._sync_hyperparameters(self.optimizer, self.user, self.sources)
-            self.optimizer.step()
+            _step_without_closure(self.optimizer)
         for p in self.params:
             p.grad = None
 
@@ -201,7 +214,7 @@ class OffloadStep(BucketStep):
         if self.optimizer is not None:
             self._sync_hyperparameters(self.optimizer, self.user, self.sources)
             with _unfused_where_momentum_is_partial(self.optimizer):
-                self.optimizer.step()
+                _step_without_closure(self.optimizer)
         self._to_device()
 
     def after_all_steps(self) -> None:

@@ -388,6 +388,14 @@ class Worker:
         report = WorkerReport(samples=samples, logs=capture.logs)
         if method == "training_step":
             loss = _loss_of(output, method)
+            if loss.is_meta:
+                raise ValueError(
+                    f"`{type(self.module).__name__}.training_step` returned a loss computed from layers this pipeline"
+                    " stage does not hold (they exist only on the meta device here), such as a penalty over"
+                    " `self.parameters()`. The stages train on `pipeline_loss(output, target)`, so `training_step`"
+                    " must return exactly that loss: use the optimizer's `weight_decay` for an L2 penalty, or train"
+                    " the model as replicas (`parallelism='replicas'`)."
+                )
             report.loss, report.loss_dtype = float(loss.detach().double()), loss.dtype
         return report, output
 

@@ -88,6 +88,37 @@ class ExtraLoss(Net):
         return self.pipeline_loss(out, y) + 0.1 * out.abs().mean()
 
 
+class L2Penalty(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.pipeline_loss(self(x), y) + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
+
+
+class OwnBackward(Net):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        (0.5 * loss).backward()
+
+
+class SparseEmbedding(NoContract):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 3, sparse=True)
+
+
+class ClosureOptimizer(torch.optim.SGD):
+    """Evaluates the loss in its step, as sharpness-aware optimizers do."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure()
+        super().step()
+        return loss
+
+
+class WithClosureOptimizer(Net):
+    def configure_optimizers(self) -> Any:
+        return ClosureOptimizer(self.parameters(), lr=0.1)
+
+
 class WithLBFGS(Net):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters())
@@ -155,6 +186,10 @@ CASES = {
         lambda _: fit(NoContract(), hetero(cpu_fraction=0.5, parallelism="pipeline")),
         "does not follow the hetero model contract: it has no `pipeline_layers()`",
     ),
+    "sparse-gradients": Bad(
+        lambda _: fit(SparseEmbedding()), "`SparseEmbedding.embedding` makes sparse gradients (`sparse=True`)"
+    ),
+    "own-backward-in-a-pipeline": Bad(lambda _: fit(OwnBackward()), "`OwnBackward` overrides `backward`, which a pipeline cannot call"),
     "unknown-parallelism": Bad(lambda _: HeteroStrategy(parallelism="tensor"), "`parallelism='tensor'` must be 'auto'"),
     "tuner-in-forked-processes": Bad(
         lambda p: Tuner(trainer(hetero(), p)).lr_find(Net(), regression_data(), num_training=4),
@@ -264,6 +299,17 @@ CASES = {
         rank="global rank 2 (stage1",  # the last stage replays the step on the pipeline's outputs
     ),
     "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
+    "penalty-over-other-stages-parameters": Bad(
+        lambda _: fit(L2Penalty()),
+        "returned a loss computed from layers this pipeline stage does not hold",
+        in_run=True,
+        rank="global rank 2 (stage1",
+    ),
+    "optimizer-step-calls-its-closure-in-fine-mode": Bad(
+        lambda _: fit(WithClosureOptimizer(), strategy=hetero(mode="fine")),
+        "`ClosureOptimizer.step` calls its closure (it evaluates the loss again), which fine mode cannot give it",
+        in_run=True,
+    ),
     "a-node-never-starts": Bad(
         lambda _: as_node_zero(lambda: fit(strategy=hetero(timeout=2), num_nodes=2)),
         "not all 6 processes of the layout joined within the timeout (2 s). With `num_nodes=2`, start the same"

@@ -3,9 +3,13 @@ those it cannot follow are refused clearly."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
+import torch
+
+from lightning_hetero.module import check_optimizers
 
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
@@ -59,3 +63,23 @@ def test_should_stop_set_in_the_step_method_stops_every_rank_after_that_step(cpu
     run.fit(model, regression_data())
     assert reference.global_step == 5
     assert max_param_diff(plain, model) < TOL
+
+
+class HooksOfTheWholeStep(Net):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log("grads", float(sum(p.grad.abs().sum() for p in self.parameters() if p.grad is not None)))
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+def test_fine_mode_names_the_hooks_it_does_not_follow() -> None:
+    model = HooksOfTheWholeStep()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = "fine mode does not follow.*`optimizer_step` runs after the buckets.*`on_before_optimizer_step` sees no gradients"
+    with pytest.warns(UserWarning, match=expected):
+        check_optimizers(model, [optimizer], "fine")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_optimizers(model, [optimizer], "coarse")
+        check_optimizers(Net(), [optimizer], "fine")
