@@ -157,6 +157,8 @@ class _Processes(_MultiProcessingLauncher):
         # copies them apart only for its CPUAccelerator. Each rank must own its parameters.
         if self._start_method in ("spawn", "forkserver"):
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        if self._start_method == "fork":
+            _forget_compile_pools()
         failed = True
         try:
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
@@ -190,6 +192,17 @@ class _Processes(_MultiProcessingLauncher):
             module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
             trainer.strategy.precision_plugin.convert_module(module)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def _forget_compile_pools() -> None:
+    """In a forked process: the pools ``torch.compile`` compiles its kernels in, where the parent has
+    made them, are the parent's (their threads and processes were not forked), and a compilation here
+    would wait on them forever; let this process make its own."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    for pool in ("pool", "process_pool"):
+        cache_clear = getattr(getattr(getattr(async_compile, "AsyncCompile", None), pool, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
 
 
 def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:

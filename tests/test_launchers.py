@@ -269,3 +269,31 @@ def test_a_rank_gone_after_fit_is_named_when_the_others_save_a_checkpoint(tmp_pa
     assert done.returncode != 0
     named = "needs every rank, but since the last trainer call global rank 2 (stage1"
     assert named in done.stderr and "left the script first" in done.stderr, done.stderr[-3000:]
+
+
+class CompilesOnEveryRank(Net):
+    """Hands work to `torch.compile`'s pool of compile threads on every rank, as compiling a kernel does."""
+
+    def on_train_start(self) -> None:
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.pool().submit(lambda: None).result(timeout=5)
+
+
+def test_a_forked_rank_compiles_in_its_own_pool() -> None:
+    """`torch.compile` in the parent made its pool of compile threads; a forked process has none of
+    those threads, and a compilation there waited forever: each forked rank makes its own pool."""
+    import threading
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    pool = AsyncCompile.pool()
+    started = threading.Barrier(pool._max_workers + 1)
+    try:
+        for _ in range(pool._max_workers):  # every thread of the pool started, as a compilation starts them
+            pool.submit(started.wait)
+        started.wait()
+        trainer(hetero(cpu_fraction=0.5, timeout=20), max_steps=1).fit(CompilesOnEveryRank(), regression_data())
+    finally:
+        pool.shutdown()
+        AsyncCompile.pool.cache_clear()
