@@ -230,3 +230,27 @@ def test_layers_built_in_configure_model() -> None:
     trainer(None, max_steps=8).fit(plain, regression_data())
     trainer(hetero(stages=["cpu"] * 3, cpu_fraction=0.5), max_steps=8).fit(het, regression_data())
     assert max_param_diff(plain, het) < TOL
+
+
+class CountsItsSamples(Net):
+    """Logs from `on_train_epoch_end` how many samples its `training_step` saw, summed over the
+    processes (`sync_dist=True`): each worker counts its share, a stage before the last none."""
+
+    def on_train_epoch_start(self) -> None:
+        self.seen = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.seen += len(batch[0])
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        self.log("seen", float(self.seen), reduce_fx="sum", sync_dist=True)
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.4])
+def test_sync_dist_in_a_hook_reduces_over_every_rank(tmp_path: Path, cpu_fraction: float) -> None:
+    """As under DDP; on one node the strategy is not `is_distributed` for Lightning (which would
+    divide the batches between the ranks), which turned `sync_dist` off."""
+    t = trainer(hetero(cpu_fraction=cpu_fraction), tmp_path, max_epochs=2)
+    t.fit(CountsItsSamples(), regression_data())
+    assert [v for _, v in column(read_metrics(tmp_path), "seen")] == [44.0, 44.0]
