@@ -196,9 +196,9 @@ class Worker:
         self.params = list(params)
         self.placement = placement
         self.nominal: dict[tuple[str, int], int] = {}
-        """Per step method and dataloader, the loader's batch size, or the largest batch the method has
-        run on where that is larger or the loader names none (``saw_batch``): what a fixed
-        ``self.log(batch_size=...)`` names (``results.LogCapture``)."""
+        """Per step method and dataloader, the largest batch the method has run on (``saw_batch``):
+        what a fixed ``self.log(batch_size=...)`` names (``results.LogCapture``) where the loader
+        names no batch size of its own."""
         self._nominal_now: Optional[int] = None
         self.fresh_grads: list[Tensor | None] | None = None
         self.norm: Optional[ReplicaNorm] = None
@@ -380,7 +380,10 @@ class Worker:
         """Every step, on every rank: ``method`` is to run on a batch of ``batch_size`` from its
         ``loader``-th dataloader, which names ``loader_batch_size`` (``nominal``)."""
         key = (method, loader)
-        self.nominal[key] = self._nominal_now = max(self.nominal.get(key, 0), batch_size, loader_batch_size or 0)
+        seen = max(self.nominal.get(key, 0), batch_size)
+        self.nominal[key] = seen
+        # The loader's own batch size, where it names one (an `on_after_batch_transfer` may make its batches larger).
+        self._nominal_now = loader_batch_size or seen
 
     def _run_step(self, method: str, batch: Any, rest: tuple, samples: int, batch_size: int) -> tuple[WorkerReport, Any]:
         with LogCapture(self.module, samples, batch_size, self._nominal_now) as capture:

@@ -254,3 +254,28 @@ def test_sync_dist_in_a_hook_reduces_over_every_rank(tmp_path: Path, cpu_fractio
     t = trainer(hetero(cpu_fraction=cpu_fraction), tmp_path, max_epochs=2)
     t.fit(CountsItsSamples(), regression_data())
     assert [v for _, v in column(read_metrics(tmp_path), "seen")] == [44.0, 44.0]
+
+
+class DoublesItsBatches(Net):
+    """Grows each training batch in `on_after_batch_transfer` (mixup-style), and logs with the
+    loader's batch size, as configured."""
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        return (torch.cat([x, 0.5 * x]), torch.cat([y, y])) if self.trainer.training else batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("loss_sized", loss, batch_size=12, on_step=True, on_epoch=True)
+        return loss
+
+
+def test_a_fixed_batch_size_is_the_loaders_where_a_hook_grows_the_batch(tmp_path: Path) -> None:
+    rows = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.4))):
+        trainer(strategy, tmp_path / name, max_epochs=1).fit(DoublesItsBatches(), regression_data())
+        rows[name] = read_metrics(tmp_path / name)
+    for key in ("loss_sized_step", "loss_sized_epoch"):
+        plain, het = column(rows["plain"], key), column(rows["hetero"], key)
+        assert plain and max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
