@@ -90,17 +90,21 @@ def batch_size_of(batch: Any) -> int:
             raise ValueError(
                 "The hetero strategy divides every batch between its workers by samples, along the first dimension of"
                 f" each of its tensors, so every tensor needs one row per sample; this batch holds tensors of shapes"
-                f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers); with"
-                " several training dataloaders, give them one `batch_size` (and `drop_last=True` where a dataset's"
-                " length does not divide by it)."
+                f" {shapes}. Give every tensor the batch's size first (pass per-batch values as Python numbers); for"
+                " samples packed into one tensor (tokens with offsets, a graph batch), let the DataLoader give the"
+                " samples as a list (`collate_fn=list`) and pack them in your step; with several training"
+                " dataloaders, give them one `batch_size` (and `drop_last=True` where a dataset's length does not"
+                " divide by it)."
             )
         return tensors[0].shape[0]
     lengths = {len(values) for values in _leaves(batch, list) if values}
     if len(lengths) == 1:
         return lengths.pop()
     raise TypeError(
-        f"Cannot tell the batch size of a {type(batch).__name__}: a batch needs tensors with one row per sample,"
-        " or lists with one value or one sample per sample."
+        f"Cannot tell the batch size of a {type(batch).__name__}: the hetero strategy divides a batch between its"
+        " workers by samples, so it needs tensors with one row per sample, or lists with one value or one sample"
+        " per sample. For a batch class of your own (a graph batch), let the DataLoader give the samples as a list"
+        " (`collate_fn=list`) and make the batch in your step."
     )
 
 
