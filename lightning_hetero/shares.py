@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 __all__ = ["Shares", "split_batch", "batch_size_of", "slice_batch", "largest_divisor_at_most"]
@@ -129,6 +130,8 @@ def _slice(batch: Any, start: int, stop: int, size: int) -> Any:
         if (_plain_values(batch) or _samples(batch)) and len(batch) == size:
             return batch[start:stop]
         return type(batch)(_slice(v, start, stop, size) for v in batch)
+    if isinstance(batch, np.ndarray):  # a custom collate's array: its rows, where it has one per sample
+        return batch[start:stop] if batch.ndim > 0 and len(batch) == size else batch
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         sliced = copy.copy(batch)
         for f in dataclasses.fields(batch):
@@ -154,13 +157,18 @@ def _leaves(batch: Any, kind: type) -> list[Any]:
 
 def _samples(values: Sequence[Any]) -> bool:
     """Whether a list holds samples, each as the dataset gave it (a DataLoader with
-    ``collate_fn=list``, for inputs of different sizes), rather than the fields of a collated batch
+    ``collate_fn=list``, for inputs of different sizes; or each sample's own list of plain values,
+    such as its token ids, of different lengths), rather than the fields of a collated batch
     (``default_collate`` turns a sample ``((a, b), (c, d))`` into ``[[A, B], [C, D]]``, and a sample
     of two dicts into a list of two dicts of rows). It is a ``list`` (a custom collate's tuple of
     fields is not) of records of one kind: tuples, dicts, named tuples or dataclasses of the same
     fields. They are samples where they are plain tuples (collating makes lists of them), or where
     what they hold could not be a collated batch's rows: a number, a string or a 0-dim tensor, or
     tensors whose first dimensions differ."""
+    if isinstance(values, list) and values and all(type(v) is list and _plain_values(v) for v in values):
+        # Each sample's own list of values (token ids), where their lengths differ: collating makes
+        # lists of one length, the batch's.
+        return len({len(v) for v in values}) > 1
     if not isinstance(values, list) or not values or not all(_is_record(v) for v in values):
         return False
     kind = _fields(values[0])

@@ -6,6 +6,7 @@ import re
 from collections import defaultdict, namedtuple
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -111,6 +112,18 @@ def test_a_list_of_samples_is_split_by_its_items() -> None:
     assert slice_batch({"items": records, "ids": [1, 2, 3, 4]}, 2, 4) == {"items": records[2:], "ids": [3, 4]}
     with_rows = {"samples": tuples, "weights": torch.ones(10)}  # a list of samples beside rows agrees with them
     assert batch_size_of(with_rows) == 10 and slice_batch(with_rows, 0, 4)["weights"].shape == (4,)
+
+
+def test_per_sample_lists_of_different_lengths_and_arrays_are_split_by_sample() -> None:
+    ids = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]
+    batch = {"ids": ids, "y": torch.arange(4), "rows": np.arange(8).reshape(4, 2), "table": np.zeros(3)}
+    part = slice_batch(batch, 1, 3)
+    assert batch_size_of({"ids": ids}) == 4 and part["ids"] == [[4], [5, 6]]
+    assert part["rows"].tolist() == [[2, 3], [4, 5]] and part["table"].shape == (3,)  # not per sample: whole
+    # Collated lists of plain values (a sample's list of strings, through `default_collate`) have
+    # the batch's length each: they are fields, divided item by item.
+    fields = {"pair": [["q0", "q1", "q2"], ["a0", "a1", "a2"]], "y": torch.arange(3)}
+    assert slice_batch(fields, 1, 3)["pair"] == [["q1", "q2"], ["a1", "a2"]]
 
 
 def test_collated_fields_that_are_records_are_not_taken_for_samples() -> None:
