@@ -301,12 +301,13 @@ class _OrderOnly(PipelineStage):
 
 class StageModule(nn.Module):
     """One stage's slice of the layers, run in order exactly as ``PipelineModule.forward`` runs them.
-    ``first``: the slice begins the model, and takes the model's inputs."""
+    ``first``: the slice begins the model, and takes the model's inputs; ``last``: it ends the model,
+    and its outputs go to the loss rather than to another stage."""
 
-    def __init__(self, layers: Sequence[nn.Module], first: bool = True) -> None:
+    def __init__(self, layers: Sequence[nn.Module], first: bool = True, last: bool = True) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.first = first
+        self.first, self.last = first, last
 
     def forward(self, *args: Any, **inputs: Any) -> Any:
         # A dict of inputs travels as keyword arguments (torch's stages take only tensors as
@@ -316,7 +317,19 @@ class StageModule(nn.Module):
         if not self.first:
             inputs = {}
         outputs = run_layers(self.layers, inputs if inputs else args if len(args) > 1 else args[0])
+        if not self.last and not _sendable(outputs):
+            raise TypeError(
+                f"A pipeline block ({type(self.layers[-1]).__name__}, the last of its stage) returned a"
+                f" {type(outputs).__name__}, which a stage cannot send to the next: torch's pipelining sends a"
+                " tensor, or a tuple of tensors. Return a tuple from the block (and take one in the next)."
+            )
         return _attached(outputs) if torch.is_grad_enabled() else outputs
+
+
+def _sendable(outputs: Any) -> bool:
+    if isinstance(outputs, (tuple, list)):
+        return bool(outputs) and all(isinstance(o, Tensor) for o in outputs)
+    return isinstance(outputs, Tensor)
 
 
 def _attached(outputs: Any) -> Any:

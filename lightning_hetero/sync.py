@@ -752,9 +752,12 @@ class _Overlap:
         expected = self._arrivals.of(param)
         if count > expected:
             raise RuntimeError(
-                f"A parameter of bucket {k} received {count} gradients in a backward that gives it {expected}:"
-                " it is used outside its own layer (or twice per micro-batch through a path the layer does not own),"
-                " which the model contract rules out."
+                f"A parameter of bucket {k} received {count} gradients in a backward that fine mode expected to give it"
+                f" {expected}: it is used outside its own layer (or twice per micro-batch through a path the layer does"
+                " not own), or a reentrant activation checkpoint (`torch.utils.checkpoint(..., use_reentrant=True)`,"
+                " or a model's `gradient_checkpointing_enable()` with it) runs a second backward through it. Fine mode"
+                " sums each bucket when its gradients are complete, so it cannot follow either: use"
+                " `use_reentrant=False`, or `mode='coarse'`."
             )
         if count == expected:
             self._missing[k] -= 1

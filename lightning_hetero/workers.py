@@ -608,7 +608,10 @@ class StageWorker(Worker):
             return SoleStage(module, placement, device)
         stages = placement.stages_of(index)
         pipeline = Pipeline(
-            modules=[StageModule(placement.layers[slice(*placement.bounds[s])], first=s == 0) for s in stages],
+            modules=[
+                StageModule(placement.layers[slice(*placement.bounds[s])], first=s == 0, last=s == len(placement.bounds) - 1)
+                for s in stages
+            ],
             stage_indices=stages,
             holders=[placement.holder(s) for s in range(len(placement.bounds))],
             device=device,

@@ -119,6 +119,39 @@ class WithClosureOptimizer(Net):
         return ClosureOptimizer(self.parameters(), lr=0.1)
 
 
+class _ToDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"hidden": x}
+
+
+class _FromDict(nn.Module):
+    def forward(self, inputs: dict) -> torch.Tensor:
+        return inputs["hidden"]
+
+
+class DictBetweenStages(Net):
+    """Two blocks, one a stage, the first handing the second a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [nn.Sequential(nn.Linear(6, 16), _ToDict()), nn.Sequential(_FromDict(), nn.Tanh(), nn.Linear(16, 3))]
+        )
+
+
+class ReentrantCheckpoint(NoContract):
+    """Uses a layer outside and inside a reentrant activation checkpoint, which runs a backward of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(3, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        hidden = self.inner(self.net(batch[0]))
+        hidden = torch.utils.checkpoint.checkpoint(self.inner, hidden, use_reentrant=True)
+        return nn.functional.mse_loss(hidden, batch[1])
+
+
 class WithLBFGS(Net):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters())
@@ -299,6 +332,17 @@ CASES = {
         rank="global rank 2 (stage1",  # the last stage replays the step on the pipeline's outputs
     ),
     "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
+    "a-dict-between-stages": Bad(
+        lambda _: fit(DictBetweenStages()),
+        "A pipeline block (Sequential, the last of its stage) returned a dict, which a stage cannot send to the next",
+        in_run=True,
+        rank="global rank 1 (stage0",
+    ),
+    "reentrant-checkpoint-in-fine-mode": Bad(
+        lambda _: fit(ReentrantCheckpoint(), strategy=hetero(cpu_fraction=0.5, mode="fine", bucket_size_mb=1e-5)),
+        "or a reentrant activation checkpoint (`torch.utils.checkpoint(..., use_reentrant=True)`",
+        in_run=True,
+    ),
     "penalty-over-other-stages-parameters": Bad(
         lambda _: fit(L2Penalty()),
         "returned a loss computed from layers this pipeline stage does not hold",
@@ -333,7 +377,7 @@ def test_bad_input_gets_its_own_clear_error(case: Bad, tmp_path: Path, monkeypat
     text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
     assert case.message in text
     if case.in_run:
-        assert re.search(r"global rank \d \((cpu|stage)\d of 1 CPU worker\(s\) \+ 2 stage\(s\)", text)
+        assert re.search(r"global rank \d \((cpu|stage|replica)\d of 1 CPU worker\(s\) \+ 2 (stage|replica)\(s\)", text)
         assert case.rank in text
     assert worker_processes() == [], "a worker process was left running"
 
