@@ -101,7 +101,7 @@ class GPT(PipelineModule, L.LightningModule):
                 nn.Linear(width, vocab_size),
             ]
         )
-        self.train_ppl, self.val_ppl = Perplexity(), Perplexity()
+        self.train_ppl, self.val_ppl, self.test_ppl = Perplexity(), Perplexity(), Perplexity()
 
     def pipeline_layers(self) -> list[nn.Module]:
         return list(self.layers)
@@ -119,11 +119,17 @@ class GPT(PipelineModule, L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_ppl)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_ppl)
+
+    def _evaluate(self, batch: Any, stage: str, perplexity: Perplexity) -> None:
         ids, targets = batch
         logits = self(ids)
-        self.val_ppl(logits, targets)
-        self.log("val_loss", self.pipeline_loss(logits, targets), prog_bar=True)
-        self.log("val_ppl", self.val_ppl)
+        perplexity(logits, targets)
+        self.log(f"{stage}_loss", self.pipeline_loss(logits, targets), prog_bar=True)
+        self.log(f"{stage}_ppl", perplexity)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
@@ -203,6 +209,10 @@ class TextData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=self.collate_fn)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out end of the text (``validate``'s): ``python -m recipes.gpt test --ckpt_path ...``."""
+        return self.val_dataloader()
 
 
 def main(args: Any = None) -> None:

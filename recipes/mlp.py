@@ -51,6 +51,7 @@ class DigitsMLP(PipelineModule, L.LightningModule):
         self.layers = nn.ModuleList(blocks)
         self.train_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=classes, average="micro")
 
     def pipeline_layers(self) -> list[nn.Module]:
         return list(self.layers)
@@ -68,11 +69,17 @@ class DigitsMLP(PipelineModule, L.LightningModule):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc)
+
+    def _evaluate(self, batch: Any, stage: str, accuracy: MulticlassAccuracy) -> None:
         inputs, targets = batch
         logits = self(inputs)
-        self.val_acc(logits, targets)
-        self.log("val_loss", self.pipeline_loss(logits, targets), prog_bar=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+        accuracy(logits, targets)
+        self.log(f"{stage}_loss", self.pipeline_loss(logits, targets), prog_bar=True)
+        self.log(f"{stage}_acc", accuracy, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
@@ -181,6 +188,10 @@ class DigitsData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out images (``validate``'s): ``python -m recipes.mlp test --ckpt_path ...``."""
+        return self.val_dataloader()
 
 
 def main(args: Any = None) -> None:

@@ -81,6 +81,7 @@ class DigitCaptioner(MultimodalModule, L.LightningModule):
         self.backbone = nn.Sequential(nn.ReLU(), nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, classes))
         self.train_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=classes, average="micro")
 
     def modality_encoders(self) -> dict[str, nn.Module]:
         return {"image": self.image, "text": self.text}
@@ -110,10 +111,16 @@ class DigitCaptioner(MultimodalModule, L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc)
+
+    def _evaluate(self, batch: dict[str, Any], stage: str, accuracy: MulticlassAccuracy) -> None:
         logits = self(batch)
-        self.val_acc(logits, batch["label"])
-        self.log("val_loss", nn.functional.cross_entropy(logits, batch["label"]), prog_bar=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+        accuracy(logits, batch["label"])
+        self.log(f"{stage}_loss", nn.functional.cross_entropy(logits, batch["label"]), prog_bar=True)
+        self.log(f"{stage}_acc", accuracy, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
@@ -305,6 +312,10 @@ class CaptionedDigits(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out samples (``validate``'s): ``python -m recipes.multimodal test --ckpt_path ...``."""
+        return self.val_dataloader()
 
 
 def main(args: Any = None) -> None:

@@ -418,3 +418,24 @@ def test_the_multimodal_recipes_mix_changes_within_the_epoch() -> None:
     assert first["has_image"].all() and first["has_text"].float().mean() < 0.4
     assert last["has_text"].all() and last["has_image"].float().mean() < 0.4
     assert all((b["has_image"] | b["has_text"]).all() for b in batches)  # every sample carries something
+
+
+@pytest.mark.parametrize(
+    "recipe,config,extra,metric",
+    [
+        ("mlp", "mlp.yaml", [], "test_acc"),
+        ("gpt", "gpt.yaml", ["tiny_gpt"], "test_ppl"),
+        ("multimodal", "multimodal.yaml", ["--model.init_args.image_size", "8", "--data.init_args.image_size", "8"], "test_acc"),
+    ],
+)
+def test_a_recipe_tests_its_checkpoint(
+    recipe: str, config: str, extra: list[str], metric: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m recipes.<recipe> test --config ... --ckpt_path ...` on the held-out data."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    extra = tiny_gpt(tmp_path) if extra == ["tiny_gpt"] else extra
+    args = quick(ROOT / "configs" / config, tmp_path, "--trainer.strategy.init_args.stages", "[cpu]", *extra)
+    HeteroCLI(args=args)
+    checkpoint = sorted(tmp_path.rglob("*.ckpt"))[-1]
+    cli = HeteroCLI(args=["test", *args[1:], "--ckpt_path", str(checkpoint)])
+    assert metric in cli.trainer.callback_metrics and math.isfinite(float(cli.trainer.callback_metrics[metric]))
