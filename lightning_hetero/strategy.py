@@ -305,6 +305,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             rank_zero_warn(f"`emulated_speed={self._emulated_speed}` slows this run down on purpose: tests only.")
         # Logged values are combined over the workers before Lightning sees them (`results.py`).
         warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
+        # A torchmetrics metric computes over every rank's state (`sync_metrics_over`): a rank without a
+        # share of the epoch (a stage before the last, a CPU worker at `cpu_fraction=0`) updated none of its own.
+        warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,27 @@ def test_a_fixed_batch_size_is_the_loaders_where_a_hook_grows_the_batch(tmp_path
     for key in ("loss_sized_step", "loss_sized_epoch"):
         plain, het = column(rows["plain"], key), column(rows["hetero"], key)
         assert plain and max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
+
+
+class RecordShownWarnings(L.Callback):
+    """Rank 0 writes the warnings shown while it trained (the filters in force, not "always")."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._catching.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            self.out.write_text("\n".join(str(w.message) for w in self._caught))
+
+
+def test_a_rank_without_a_share_does_not_warn_of_a_metric_it_did_not_update(tmp_path: Path) -> None:
+    """torchmetrics warns, on rank 0, of a metric computed before any update: the CPU worker at
+    `cpu_fraction=0` (where "auto" may settle) updated none of its own, and computes over every rank's."""
+    t = trainer(hetero(cpu_fraction=0.0), max_epochs=1, callbacks=[RecordShownWarnings(tmp_path / "shown.txt")])
+    t.fit(Classifier(), classification_data(), classification_data(seed=3))
+    assert "before the ``update`` method" not in (tmp_path / "shown.txt").read_text()
