@@ -24,6 +24,7 @@ collected there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import numbers
 import pickle
@@ -408,13 +409,19 @@ def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:
-    """Every rank's ``tensor``, in the widest floating dtype any rank has for it: a state that this
-    rank's updates never touched (a stage before the last, a CPU worker without a share) keeps the
-    dtype torchmetrics made it in, float32, where updates with float64 values (``64-true``) made
-    the other ranks' float64, and gloo cannot gather tensors of different sizes."""
+    """Every rank's ``tensor``, in one dtype: the one every rank's non-empty state promotes to. A
+    state that this rank's updates never touched (a stage before the last, a CPU worker without a
+    share) keeps the dtype torchmetrics made it in (float32; an empty list state becomes an empty
+    float32 tensor), where the other ranks' updates made theirs float64 (``64-true``) or int64 (a
+    list of targets), and gloo cannot gather tensors of different sizes. Every rank gathers the
+    dtypes first, so every rank takes part in the same collectives."""
     local = tensor.cpu()
-    if local.is_floating_point():
-        widths = gather_all_tensors(torch.tensor([local.element_size()]), group)
-        if max(int(w) for w in widths) > local.element_size():
-            local = local.double()
+    mine = torch.tensor([_DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1, local.numel()])
+    found = [(int(code), int(numel)) for code, numel in gather_all_tensors(mine, group)]
+    dtypes = [_DTYPES[code] for code, numel in found if numel and code >= 0]
+    if dtypes and -1 not in (code for code, _ in found):
+        local = local.to(functools.reduce(torch.promote_types, dtypes))
     return [t.to(tensor.device) for t in gather_all_tensors(local, group)]
+
+
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]

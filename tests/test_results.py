@@ -131,3 +131,28 @@ def test_a_step_without_a_cpu_share_tells_the_cpu_workers_one_way(tmp_path: Path
             WorkerReport() if step != 1 and r < cpu_workers else _sent(r, step) for r in range(world)
         ]
         assert all(seen[step] == expected for seen in ranks), step
+
+
+def _sync_metrics(rank: int, world: int, tmp: Path) -> None:
+    from torchmetrics.aggregation import MaxMetric
+    from torchmetrics.classification import BinaryAUROC
+
+    from lightning_hetero.results import sync_metrics_over
+
+    store = dist.FileStore(str(tmp / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    auroc, largest = BinaryAUROC(thresholds=None), MaxMetric()
+    sync_metrics_over(torch.nn.ModuleList([auroc, largest]), dist.group.WORLD)
+    if rank == 1:  # rank 0 updates neither: its list state is empty (float32), its max float32
+        auroc.update(torch.tensor([0.1, 0.8, 0.6, 0.3]), torch.tensor([0, 1, 1, 0]))
+        largest.update(torch.tensor([0.5, 2.5], dtype=torch.float64))
+    values = (float(auroc.compute()), float(largest.compute()))
+    (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(values))
+    dist.destroy_process_group()
+
+
+def test_metrics_sync_whatever_dtype_each_rank_holds(tmp_path: Path) -> None:
+    """A rank that never updated a metric holds its states as torchmetrics made them; the others'
+    updates made them int64 (targets) and float64: every rank still computes the same value."""
+    mp.start_processes(_sync_metrics, args=(2, tmp_path), nprocs=2, start_method="fork")
+    assert [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)] == [(1.0, 2.5)] * 2
