@@ -158,7 +158,7 @@ def _leaves(batch: Any, kind: type) -> list[Any]:
 def _samples(values: Sequence[Any]) -> bool:
     """Whether a list holds samples, each as the dataset gave it (a DataLoader with
     ``collate_fn=list``, for inputs of different sizes; or each sample's own list of plain values,
-    such as its token ids, of different lengths), rather than the fields of a collated batch
+    such as its token ids), rather than the fields of a collated batch
     (``default_collate`` turns a sample ``((a, b), (c, d))`` into ``[[A, B], [C, D]]``, and a sample
     of two dicts into a list of two dicts of rows). It is a ``list`` (a custom collate's tuple of
     fields is not) of records of one kind: tuples, dicts, named tuples or dataclasses of the same
@@ -166,9 +166,11 @@ def _samples(values: Sequence[Any]) -> bool:
     what they hold could not be a collated batch's rows: a number, a string or a 0-dim tensor, or
     tensors whose first dimensions differ."""
     if isinstance(values, list) and values and all(type(v) is list and _plain_values(v) for v in values):
-        # Each sample's own list of values (token ids), where their lengths differ: collating makes
-        # lists of one length, the batch's.
-        return len({len(v) for v in values}) > 1
+        # Each sample's own list of values (token ids): `default_collate` makes tensors of numbers, so
+        # lists of them come from the user's collate; of strings, only where their lengths differ
+        # (collating a sample's list of strings makes lists of one length, the batch's).
+        numbers = all(not isinstance(x, (str, bytes)) for v in values for x in v)
+        return numbers or len({len(v) for v in values}) > 1
     if not isinstance(values, list) or not values or not all(_is_record(v) for v in values):
         return False
     kind = _fields(values[0])

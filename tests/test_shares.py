@@ -120,8 +120,10 @@ def test_per_sample_lists_of_different_lengths_and_arrays_are_split_by_sample() 
     part = slice_batch(batch, 1, 3)
     assert batch_size_of({"ids": ids}) == 4 and part["ids"] == [[4], [5, 6]]
     assert part["rows"].tolist() == [[2, 3], [4, 5]] and part["table"].shape == (3,)  # not per sample: whole
-    # Collated lists of plain values (a sample's list of strings, through `default_collate`) have
-    # the batch's length each: they are fields, divided item by item.
+    same_length = {"ids": [[1, 2], [3, 4], [5, 6]], "y": torch.arange(3)}  # numbers: never `default_collate`'s
+    assert slice_batch(same_length, 1, 3)["ids"] == [[3, 4], [5, 6]] and batch_size_of({"ids": [[1, 2, 3]]}) == 1
+    # Collated lists of strings (a sample's list of them, through `default_collate`) have the
+    # batch's length each: they are fields, divided item by item.
     fields = {"pair": [["q0", "q1", "q2"], ["a0", "a1", "a2"]], "y": torch.arange(3)}
     assert slice_batch(fields, 1, 3)["pair"] == [["q1", "q2"], ["a1", "a2"]]
 
