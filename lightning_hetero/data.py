@@ -100,8 +100,9 @@ _LOADERS = {
 
 
 def loader_batch_size(trainer: "pl.Trainer", method: str, index: int = 0) -> Optional[int]:
-    """The ``batch_size`` of the loader whose batches ``method`` runs on (the ``index``-th of several),
-    where it names one (not where a batch sampler of the user's, or several training loaders, make the batches)."""
+    """The ``batch_size`` of the loader whose batches ``method`` runs on (the ``index``-th of several;
+    the first of a list of training loaders, which share one), where it names one (not where a batch
+    sampler of the user's, or a dict of training loaders, make the batches)."""
     loaders = getattr(trainer, _LOADERS[method], None)
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[index] if index < len(loaders) else None

@@ -195,14 +195,13 @@ class _Processes(_MultiProcessingLauncher):
 
 
 def _forget_compile_pools() -> None:
-    """In a forked process: the pools ``torch.compile`` compiles its kernels in, where the parent has
-    made them, are the parent's (their threads and processes were not forked), and a compilation here
-    would wait on them forever; let this process make its own."""
+    """In a forked process: the thread pool ``torch.compile`` compiles its kernels in, where the parent
+    has made it, is the parent's (its threads were not forked), and a compilation here would wait on
+    it forever; let this process make its own. (torch resets its process pool after a fork itself.)"""
     async_compile = sys.modules.get("torch._inductor.async_compile")
-    for pool in ("pool", "process_pool"):
-        cache_clear = getattr(getattr(getattr(async_compile, "AsyncCompile", None), pool, None), "cache_clear", None)
-        if cache_clear is not None:
-            cache_clear()
+    cache_clear = getattr(getattr(getattr(async_compile, "AsyncCompile", None), "pool", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
 
 
 def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:

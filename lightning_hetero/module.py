@@ -259,7 +259,11 @@ def _check_training(model: nn.Module) -> None:
             f"`{name}` uses manual optimization, which the hetero strategy does not support: the strategy runs"
             " the backward pass and the gradient sync itself. Keep `automatic_optimization = True`."
         )
-    sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    sparse = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+    ]
     if sparse:
         raise ValueError(
             f"`{name}.{sparse[0]}` makes sparse gradients (`sparse=True`), which the hetero strategy does not sum"
@@ -344,7 +348,10 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
 
 
 _FINE_MODE_HOOKS = {
-    "optimizer_step": "runs after the buckets have stepped (skipping `optimizer.step()` there skips nothing)",
+    "optimizer_step": (
+        "runs after the buckets have stepped (skipping `optimizer.step()` there skips nothing, and a learning rate"
+        " set there, as a warm-up by hand, applies from the next step)"
+    ),
     "optimizer_zero_grad": "runs after the buckets have consumed their gradients (none is left to keep)",
     "on_after_backward": "sees no gradients at an optimizer step's last batch (the buckets consumed them)",
     "on_before_optimizer_step": "sees no gradients (the buckets consumed them)",

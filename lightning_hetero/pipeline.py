@@ -327,7 +327,8 @@ class StageModule(nn.Module):
 
 
 def _sendable(outputs: Any) -> bool:
-    if isinstance(outputs, (tuple, list)):
+    # (A list would arrive as a tuple, unpacked into the next block's arguments.)
+    if isinstance(outputs, tuple):
         return bool(outputs) and all(isinstance(o, Tensor) for o in outputs)
     return isinstance(outputs, Tensor)
 
