@@ -235,11 +235,11 @@ class StepEngine:
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
         return {"loss": loss, **extras} if extras else loss
 
-    def backward(self) -> None:
+    def backward(self, optimizer: Optional[Optimizer] = None) -> None:
         """Step 2 (Lightning has zeroed ``.grad`` where the window starts): put the share's gradients
         back, and at the window's last batch sum them over the workers."""
-        if self.state.zeroes:
-            _check_zeroed(self.worker.params, self.state.step)
+        if self.state.zeroes and optimizer is not None:
+            _check_zeroed(optimizer, self.worker.params, self.state.step)
         self.worker.put_back_grads()
         if self.state.syncs and not self.state.skip:
             self.sync.finish(self.state.clock)
@@ -373,10 +373,13 @@ def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]])
         )
 
 
-def _check_zeroed(params: list[torch.nn.Parameter], step: int) -> None:
-    """After a module's own ``optimizer_zero_grad``, at the start of an optimizer step: no gradient
-    may be left from the step before, which every worker holds summed and would add in again."""
-    if any(p.grad is not None and bool(p.grad.any()) for p in params):
+def _check_zeroed(optimizer: Optimizer, params: list[torch.nn.Parameter], step: int) -> None:
+    """After a module's own ``optimizer_zero_grad``, at the start of an optimizer step: no gradient of
+    the optimizer's (of this rank's ``params``) may be left from the step before, which every worker
+    holds summed and would add in again."""
+    held = {id(p) for p in params}
+    left = [p.grad.any() for group in optimizer.param_groups for p in group["params"] if id(p) in held and p.grad is not None]
+    if left and bool(torch.stack(left).any()):
         raise RuntimeError(
             f"Your `optimizer_zero_grad` left gradients in place at the start of optimizer step {step}. The"
             " hetero strategy sums every worker's gradients for each optimizer step, so gradients kept from"

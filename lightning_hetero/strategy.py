@@ -394,7 +394,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # The forward and backward ran in `training_step`; the engine puts the gradients back and sums them.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._running.backward()
+        self._running.backward(optimizer)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self._running.finish_backward()
         return closure_loss

@@ -83,3 +83,17 @@ def test_fine_mode_names_the_hooks_it_does_not_follow() -> None:
         warnings.simplefilter("error")
         check_optimizers(model, [optimizer], "coarse")
         check_optimizers(Net(), [optimizer], "fine")
+
+
+class TrainsAPartByHand(ZeroesInPlace):
+    """Leaves its last layer out of the optimizer: that layer's gradients stay where no `zero_grad` clears them."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(list(self.layers[:4].parameters()), lr=0.1)
+
+
+def test_gradients_the_optimizer_does_not_hold_may_stay() -> None:
+    plain, model = TrainsAPartByHand(), TrainsAPartByHand()
+    trainer(None, max_steps=4).fit(plain, regression_data())
+    trainer(hetero(cpu_fraction=0.4), max_steps=4).fit(model, regression_data())
+    assert max_param_diff(plain, model) < TOL
