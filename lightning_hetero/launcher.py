@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -46,6 +46,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
     _check_missing_main_guard,
     _disable_module_memory_sharing,
 )
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
@@ -74,8 +75,6 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 2.0
 """Seconds the other processes get to end by themselves after one failed, before they are killed."""
-_TERMINATED = "hetero: terminated by SIGTERM"
-"""What global rank 0 returns to the main process (fork, spawn) when a SIGTERM ended the run."""
 EXIT_S = 10.0
 """How long a rank that closed its connections may take to end, before the error says no rank has."""
 
@@ -100,6 +99,12 @@ def resolve_start_method(start_method: str) -> str:
             f" {['auto', 'popen', *mp.get_all_start_methods()]}."
         )
     return start_method
+
+
+class _Terminated(NamedTuple):
+    """What global rank 0 returns to the main process (fork, spawn) when a SIGTERM ended the run."""
+
+    output: Any
 
 
 class _Processes(_MultiProcessingLauncher):
@@ -143,12 +148,15 @@ class _Processes(_MultiProcessingLauncher):
                 " the trainer call by `sys.exit`."
             )
         worker_output = return_queue.get()
-        if isinstance(worker_output, str) and worker_output == _TERMINATED:
-            raise SIGTERMException()  # every rank ended at the same step after a SIGTERM (`signals.py`)
+        terminated = isinstance(worker_output, _Terminated)
+        if terminated:
+            worker_output = worker_output.output
         if trainer is None:
             return worker_output
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
         self._recover_results_in_main_process(worker_output, trainer)
+        if terminated:
+            raise SIGTERMException()  # every rank ended at the same step after a SIGTERM (`signals.py`)
         return worker_output.trainer_results
 
     @override
@@ -164,9 +172,15 @@ class _Processes(_MultiProcessingLauncher):
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
             failed = False
         except SIGTERMException:
-            # Every rank raises it at the same step (`signals.py`); the main process raises it in turn.
+            # Every rank raises it at the same step (`signals.py`). Each ends its call as a finished one
+            # (every rank then holds the whole model), rank 0 hands the main process what it trained so
+            # far, and `fit` raises it there in turn (where the `on_exception` hooks run, as with
+            # Lightning's spawn launch).
+            assert trainer is not None
+            trainer._teardown()
+            output = self._collect_rank_zero_results(trainer, None)
             if process_idx == 0:
-                rest[0].put(_TERMINATED)
+                rest[0].put(_Terminated(move_data_to_device(output, "cpu")))
         except BaseException as error:
             if _distributed_is_initialized():  # the error happened in this worker's run
                 error.add_note(self._strategy.describe_rank())

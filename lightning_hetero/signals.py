@@ -28,16 +28,19 @@ note was agreed on. A rank that had not noted a requeue signal when one was agre
 next one it gets as that same signal, so the job is checkpointed and requeued once. (Every rank
 acts on SIGTERM once anyway: it ends the run.)
 
-Where the CPU workers have no share of a batch, they do not report to the stages ([Note: one-way
-exchange] in ``results.py``): their notes travel with the next step in which they compute. Under
-popen, global rank 0 (a CPU worker) passes a SIGTERM it gets on to the other processes, as
-Lightning's launcher does.
+A process that gets a SIGTERM passes it on to the node's other ranks, so every process notes it,
+whichever one it landed in: where the CPU workers have no share of a batch they do not report to
+the stages ([Note: one-way exchange] in ``results.py``), and under popen a ``kill`` of the script
+reaches global rank 0 alone. (The requeue signal is not passed on: SLURM signals every task.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
@@ -61,44 +64,55 @@ step's outputs (the CPU workers with a share, a pipeline's last stage), which mu
 
 class StepSignals(_SignalConnector):
     """Lightning's signal connector, with the handlers only noting their signal (``pending``) and
-    every rank acting on what ``agree`` hears from all (see the module's note)."""
+    every rank acting on what ``agree`` hears from all (see the module's note). ``peers``: the
+    process ids of the node's other ranks, to which a SIGTERM is passed on.
 
-    def __init__(self, trainer: "pl.Trainer") -> None:
+    The handlers only ever set their own flag, and ``agree`` clears only the flags it agreed on, so
+    a signal that lands while a report is read is not lost (a handler runs between any two of the
+    main thread's bytecodes)."""
+
+    def __init__(self, trainer: "pl.Trainer", peers: Sequence[int] = ()) -> None:
         super().__init__(trainer)
-        self.pending = 0
-        """The signals this process noted that no exchange has carried yet (``TERMINATE | REQUEUE``)."""
-        self._expected = 0
-        self._requeue = False
+        self.peers = list(peers)
+        self._terminate = self._requeue_noted = self._requeue_expected = self._requeue = False
 
     @classmethod
-    def install(cls, trainer: "pl.Trainer") -> Optional[StepSignals]:
+    def install(cls, trainer: "pl.Trainer", peers: Sequence[int]) -> Optional[StepSignals]:
         """Take over the trainer's signal handling for a run of several processes (before the
         trainer registers its handlers); None for one process, where Lightning's acts alike."""
         if trainer.world_size < 2:
             return None
-        signals = cls(trainer)
+        signals = cls(trainer, peers)
         trainer._signal_connector = signals
         # The training loop's broadcast of rank 0's SIGTERM flag, at the start of every step.
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = signals.at_step_start  # type: ignore[method-assign]
         return signals
 
+    @property
+    def pending(self) -> int:
+        """The signals this process noted that no exchange has agreed on yet (``TERMINATE | REQUEUE``)."""
+        return (TERMINATE if self._terminate else 0) | (REQUEUE if self._requeue_noted else 0)
+
     def register_signal_handlers(self) -> None:
         super().register_signal_handlers()
-        self.pending, self._expected, self._requeue = 0, 0, False
+        self._terminate = self._requeue_noted = self._requeue_expected = self._requeue = False
 
     def _sigterm_notifier_fn(self, signum: _SIGNUM, _: Optional[FrameType]) -> None:
         log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", self.trainer.local_rank))
-        if not (self.pending & TERMINATE or self.received_sigterm):
-            launcher = self.trainer.strategy.launcher
-            if launcher is not None:
-                launcher.kill(signum)  # popen: rank 0 passes it on to the processes it started
-        self.pending |= TERMINATE
+        if self._terminate or self.received_sigterm:
+            return
+        self._terminate = True
+        # Every process of the node notes it too, wherever it landed: a CPU worker without a share
+        # of the batches does not report to the stages ([Note: one-way exchange] in `results.py`).
+        for pid in self.peers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     def _slurm_sigusr_handler_fn(self, signum: _SIGNUM, _: Optional[FrameType]) -> None:
-        if self._expected & REQUEUE:  # the signal already agreed on, landing late here
-            self._expected &= ~REQUEUE
+        if self._requeue_expected:  # the signal already agreed on, landing late here
+            self._requeue_expected = False
         else:
-            self.pending |= REQUEUE
+            self._requeue_noted = True
 
     def noted(self) -> int:
         """What this rank's report carries: the signals it noted, and ``STOP`` where its trainer is to stop."""
@@ -110,11 +124,12 @@ class StepSignals(_SignalConnector):
             return
         if noted & STOP:
             self.trainer.should_stop = True
-        self._expected |= noted & REQUEUE & ~self.pending
-        self.pending &= ~noted
         if noted & TERMINATE:
-            self.received_sigterm = True
-        self._requeue |= bool(noted & REQUEUE)
+            self.received_sigterm, self._terminate = True, False
+        if noted & REQUEUE:
+            if not self._requeue_noted:
+                self._requeue_expected = True
+            self._requeue_noted, self._requeue = False, True
 
     def at_step_start(self) -> None:
         """In place of Lightning's per-step broadcast: save and requeue, or end, as agreed."""

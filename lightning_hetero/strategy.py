@@ -11,6 +11,7 @@ model a single process trains on the same batches.
 from __future__ import annotations
 
 import inspect
+import os
 import logging
 import warnings
 from collections.abc import Generator, Mapping, Sequence
@@ -316,7 +317,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         module = self.lightning_module
         self._engine = self._engine or self._place(module)
         self._engine.worker.on_setup()
-        self._engine.signals = StepSignals.install(trainer)
+        pids: list[Any] = [None] * dist.get_world_size(self._groups.node)
+        dist.all_gather_object(pids, os.getpid(), group=self._groups.node)
+        self._engine.signals = StepSignals.install(trainer, [pid for pid in pids if pid != os.getpid()])
         if self.world_size > 1:
             module.log = SyncedLog(module)  # type: ignore[method-assign]
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.

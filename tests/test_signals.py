@@ -30,9 +30,21 @@ def test_sigterm_after_the_exchange_ends_every_rank_after_the_next_step(tmp_path
     raises Lightning's `SIGTERMException`, as a single process does)."""
     strategy = hetero(cpu_fraction=0.5, timeout=20)
     t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[1])])
+    model, plain = Net(), Net()
+    with pytest.raises(SIGTERMException):
+        t.fit(model, regression_data())
+    assert last_steps(tmp_path) == [5, 5, 5]
+    trainer(None, max_steps=5).fit(plain, regression_data())
+    assert max_param_diff(plain, model) < TOL  # the main process holds what the ranks trained
+
+
+def test_sigterm_to_a_cpu_worker_without_a_share_reaches_the_stages(tmp_path: Path) -> None:
+    """At `cpu_fraction=0` the CPU worker does not report to the stages: it passes the signal on."""
+    strategy = hetero(cpu_fraction=0.0, timeout=20)
+    t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[0])])
     with pytest.raises(SIGTERMException):
         t.fit(Net(), regression_data())
-    assert last_steps(tmp_path) == [5, 5, 5]
+    assert last_steps(tmp_path) == [4, 4, 4]
 
 
 def test_sigterm_to_the_main_process_of_a_popen_run_ends_every_rank_after_the_same_step(tmp_path: Path) -> None:
