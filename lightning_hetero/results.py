@@ -43,7 +43,6 @@ __all__ = [
     "LoggedValue",
     "WorkerReport",
     "LogCapture",
-    "SyncedLog",
     "ReportExchange",
     "combine_loss",
     "combine_logs",
@@ -106,15 +105,11 @@ class LogCapture:
         self.logs: list[LoggedValue] = []
 
     def __enter__(self) -> LogCapture:
-        self._outside = self.module.__dict__.get("log")  # `SyncedLog`, where the strategy set one
         self.module.log = self._capture  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._outside is None:
-            del self.module.log
-        else:
-            self.module.log = self._outside
+        del self.module.log
 
     def _capture(self, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
@@ -146,26 +141,6 @@ class LogCapture:
             f"`self.log({name!r}, metric)`: the metric is not an attribute of the LightningModule. Assign it to"
             " the module (e.g. `self.train_acc = Accuracy(...)`) so every worker holds its own copy."
         )
-
-
-class SyncedLog:
-    """``module.log`` outside the step methods (whose values ``LogCapture`` combines), from hooks such
-    as ``on_validation_epoch_end``. Lightning reduces a ``sync_dist=True`` value over the ranks only
-    where the strategy says it is distributed, which on one node the hetero strategy does not (there
-    every rank iterates the same batches, which Lightning must not divide between them). While such
-    a call logs, ``syncing`` is set, and the strategy says so: the value is reduced over every rank,
-    as under DDP (each CPU worker's and stage's own value, as each computed it)."""
-
-    def __init__(self, module: LightningModule) -> None:
-        self.module = module
-        self.syncing = False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.syncing = bool(_LOG_SIGNATURE.bind(self.module, *args, **kwargs).arguments.get("sync_dist"))
-        try:
-            type(self.module).log(self.module, *args, **kwargs)
-        finally:
-            self.syncing = False
 
 
 def _to_float(name: str, value: Any) -> float | None:

@@ -61,7 +61,7 @@ from lightning_hetero.placing import build_sync, place_rank
 from lightning_hetero.plan import LAYOUT_ARGUMENTS, HeteroPlan, layout_plan
 from lightning_hetero.precision import HeteroPrecision
 from lightning_hetero.record import StepRecord
-from lightning_hetero.results import SyncedLog, sync_metrics_over
+from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.signals import StepSignals
 from lightning_hetero.state import move_materialized
@@ -186,10 +186,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     @property
     def is_distributed(self) -> bool:
         # Lightning then splits the data between nodes (`distributed_sampler_kwargs`); within a node
-        # every rank sees the same batches (`process_dataloader`). A hook's `self.log(sync_dist=True)`
-        # is reduced over every rank all the same (`results.SyncedLog`).
-        log = self.lightning_module.__dict__.get("log") if self.lightning_module is not None else None
-        return self._num_nodes > 1 or (isinstance(log, SyncedLog) and log.syncing)
+        # every rank sees the same batches (`process_dataloader`).
+        return self._num_nodes > 1
 
     @property
     @override
@@ -320,8 +318,6 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         pids: list[Any] = [None] * dist.get_world_size(self._groups.node)
         dist.all_gather_object(pids, os.getpid(), group=self._groups.node)
         self._engine.signals = StepSignals.install(trainer, [pid for pid in pids if pid != os.getpid()])
-        if self.world_size > 1:
-            module.log = SyncedLog(module)  # type: ignore[method-assign]
         # Every call: a previous `teardown` in this process (popen, torchrun) moved the model to the CPU.
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
@@ -507,8 +503,6 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         self._tuned_loaders.clear()
         if self.lightning_module is not None:
-            if isinstance(self.lightning_module.__dict__.get("log"), SyncedLog):
-                del self.lightning_module.log
             move_materialized(self.lightning_module, torch.device("cpu"))
             _update_properties(self.lightning_module, device=torch.device("cpu"))
         assert self.accelerator is not None and self.cluster_environment is not None

@@ -233,30 +233,6 @@ def test_layers_built_in_configure_model() -> None:
     assert max_param_diff(plain, het) < TOL
 
 
-class CountsItsSamples(Net):
-    """Logs from `on_train_epoch_end` how many samples its `training_step` saw, summed over the
-    processes (`sync_dist=True`): each worker counts its share, a stage before the last none."""
-
-    def on_train_epoch_start(self) -> None:
-        self.seen = 0
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        self.seen += len(batch[0])
-        return super().training_step(batch, batch_idx)
-
-    def on_train_epoch_end(self) -> None:
-        self.log("seen", float(self.seen), reduce_fx="sum", sync_dist=True)
-
-
-@pytest.mark.parametrize("cpu_fraction", [0.0, 0.4])
-def test_sync_dist_in_a_hook_reduces_over_every_rank(tmp_path: Path, cpu_fraction: float) -> None:
-    """As under DDP; on one node the strategy is not `is_distributed` for Lightning (which would
-    divide the batches between the ranks), which turned `sync_dist` off."""
-    t = trainer(hetero(cpu_fraction=cpu_fraction), tmp_path, max_epochs=2)
-    t.fit(CountsItsSamples(), regression_data())
-    assert [v for _, v in column(read_metrics(tmp_path), "seen")] == [44.0, 44.0]
-
-
 class DoublesItsBatches(Net):
     """Grows each training batch in `on_after_batch_transfer` (mixup-style), and logs with the
     loader's batch size, as configured."""
