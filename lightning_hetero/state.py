@@ -14,7 +14,7 @@ single-process model's, which a plain ``Trainer`` loads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -162,12 +162,18 @@ def load_with_offloaded_state(optimizer: Optimizer, state_dict: dict[str, Any], 
 
 
 def refresh_replicas(
-    is_cpu_worker: bool, placement: "Placement", module: nn.Module, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]
+    is_cpu_worker: bool,
+    placement: "Placement",
+    module: nn.Module,
+    versions: Mapping[int, int],
+    optimizer: Optional[Optimizer],
+    steps: Sequence[BucketStep],
 ) -> None:
-    """Every stage sends its parameters, its buffers (the steps the CPU workers kept out of wrote
-    them: a step counter, spectral norm's vectors, BatchNorm's statistics) and its parameters'
-    optimizer state to the CPU workers, which take them into their replica (a collective over each
-    stage's sync group, on every member)."""
+    """Every stage sends its parameters, the buffers it changed since the trainer call began (the
+    steps the CPU workers kept out of wrote them: a step counter, spectral norm's vectors, BatchNorm's
+    statistics; ``versions``: each buffer's version then, by ``id``, where constant ones such as a
+    causal mask keep theirs) and its parameters' optimizer state to the CPU workers, which take them
+    into their replica (a collective over each stage's sync group, on every member)."""
     gathered: dict[int, Any] = {}
     for s, group in enumerate(placement.sync_groups):
         if group is None:
@@ -189,15 +195,16 @@ def refresh_replicas(
         mine = None
         if not is_cpu_worker:
             state = with_offloaded_state(optimizer, steps)["state"] if optimizer is not None else None
-            mine = move_data_to_device((state, [b.detach() for b in buffers]), "cpu")
+            changed = {i: b.detach() for i, b in enumerate(buffers) if b._version != versions.get(id(b))}
+            mine = move_data_to_device((state, changed), "cpu")
         box = [mine]
         dist.broadcast_object_list(box, src=src, group=group)
         if is_cpu_worker:
-            state, values = box[0]
+            state, changed = box[0]
             gathered.update(state or {})
             with torch.no_grad():
-                for buffer, value in zip(buffers, values):
-                    buffer.copy_(value)
+                for i, value in changed.items():
+                    buffers[i].copy_(value)
     if is_cpu_worker and optimizer is not None:
         state = {"state": gathered, "param_groups": optimizer.state_dict()["param_groups"]}
         load_with_offloaded_state(optimizer, state, steps)

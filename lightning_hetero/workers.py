@@ -202,6 +202,8 @@ class Worker:
         self._nominal_now: Optional[int] = None
         self.fresh_grads: list[Tensor | None] | None = None
         self.norm: Optional[ReplicaNorm] = None
+        self.buffer_versions: dict[int, int] = {}
+        """Each buffer's version (by ``id``) when the trainer call began (``on_setup``)."""
         """What this replica does about the model's BatchNorm layers (``batchnorm.py``), where it has any."""
         self.pace = 0.0
         """TESTING ONLY: seconds per sample this worker's training share takes at least (the
@@ -326,6 +328,8 @@ class Worker:
         """At the start of every trainer call, after the placement (made by the first, kept by the others)."""
         if self.norm is not None:
             self.norm.apply()
+        # Every rank holds the same model here: what a stage's buffers change from now on, it sends to a stale CPU worker.
+        self.buffer_versions = {id(b): b._version for b in self.module.buffers()}
 
     def on_teardown(self, group: dist.ProcessGroup, finished: bool) -> None:
         """At the end of every trainer call; ``finished``: it ended without a failure, and code after it
@@ -503,7 +507,7 @@ class CpuWorker(_WholeModel):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(True, self.placement, self.module, optimizer, steps)
+        refresh_replicas(True, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
 
 class SoleStage(_WholeModel):
@@ -533,7 +537,7 @@ class SoleStage(_WholeModel):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(False, self.placement, self.module, optimizer, steps)
+        refresh_replicas(False, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
 
 class DeviceReplica(SoleStage):
@@ -694,7 +698,7 @@ class StageWorker(Worker):
 
     @override
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(False, self.placement, self.module, optimizer, steps)
+        refresh_replicas(False, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
     @override
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
