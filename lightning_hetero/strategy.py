@@ -302,11 +302,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             earn_fraction(trainer)
         if self._emulated_speed:
             rank_zero_warn(f"`emulated_speed={self._emulated_speed}` slows this run down on purpose: tests only.")
-        # Logged values are combined over the workers before Lightning sees them (`results.py`).
-        warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
-        # A torchmetrics metric computes over every rank's state (`sync_metrics_over`): a rank without a
-        # share of the epoch (a stage before the last, a CPU worker at `cpu_fraction=0`) updated none of its own.
-        warnings.filterwarnings("ignore", message=".*was called before the ``update`` method.*")
+        for message in _QUIETED:
+            warnings.filterwarnings("ignore", message=message)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -506,6 +503,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             move_materialized(self.lightning_module, torch.device("cpu"))
             _update_properties(self.lightning_module, device=torch.device("cpu"))
         assert self.accelerator is not None and self.cluster_environment is not None
+        # Under popen and torchrun this is the user's own process, which goes on after the call.
+        warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] and f[1].pattern in _QUIETED)]
+        warnings._filters_mutated()  # type: ignore[attr-defined]
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
@@ -523,6 +523,16 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
 
 
 _LAYOUT_DEFAULTS = {n: p.default for n, p in inspect.signature(HeteroStrategy.__init__).parameters.items() if n in LAYOUT_ARGUMENTS}
+
+
+_QUIETED = (
+    # Logged values are combined over the workers before Lightning sees them (`results.py`).
+    ".*when logging on epoch level in distributed setting.*",
+    # A torchmetrics metric computes over every rank's state (`sync_metrics_over`): a rank without a
+    # share of the epoch (a stage before the last, a CPU worker at `cpu_fraction=0`) updated none of its own.
+    ".*was called before the ``update`` method.*",
+)
+"""Warnings the strategy's processes do not show while a trainer call runs."""
 
 
 def hetero_strategy(trainer: "pl.Trainer") -> Optional[HeteroStrategy]:

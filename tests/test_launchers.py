@@ -115,6 +115,7 @@ def string_strategy(out: Path) -> None:
 def test_external_processes(tmp_path: Path, reference: dict, launch, environment: str) -> None:
     launch(tmp_path)
     assert (tmp_path / "environment.txt").read_text() == environment
+    assert [(tmp_path / f"quieted{r}.txt").read_text() for r in range(3)] == ["0"] * 3
     assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
     assert_every_rank_holds_the_model(tmp_path, ranks=3)
 
