@@ -35,7 +35,8 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
@@ -141,7 +142,12 @@ class _Processes(_MultiProcessingLauncher):
             join=False,
         )
         self.procs = context.processes
-        _join(context, self._strategy.rank_name)
+        with _passing_sigterm_to(context.processes):
+            try:
+                _join(context, self._strategy.rank_name)
+            except BaseException:  # Ctrl-C here (or a failure): the processes must not train on
+                _stop([p for p in context.processes if p.is_alive()], grace=0.0)
+                raise
         if return_queue.empty():
             raise RuntimeError(
                 "[hetero] Every process ended without a failure, but global rank 0 returned no result: a rank left"
@@ -177,6 +183,7 @@ class _Processes(_MultiProcessingLauncher):
             # far, and `fit` raises it there in turn (where the `on_exception` hooks run, as with
             # Lightning's spawn launch).
             assert trainer is not None
+            trainer.strategy.refresh_replicas()  # as at the end of training: rank 0 may be a stale CPU worker
             trainer._teardown()
             output = self._collect_rank_zero_results(trainer, None)
             if process_idx == 0:
@@ -206,6 +213,28 @@ class _Processes(_MultiProcessingLauncher):
             module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
             trainer.strategy.precision_plugin.convert_module(module)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+@contextmanager
+def _passing_sigterm_to(processes: Sequence[Any]) -> Iterator[None]:
+    """While the main process of a fork/spawn launch waits for its ranks, a SIGTERM it gets (a ``kill``
+    of the script) goes on to them: they end at the same step (``signals.py``), and ``fit`` raises it
+    here in turn. (By default it would end this process alone, and the ranks would train on.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def pass_on(signum: int, frame: Any) -> None:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                with suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    previous = signal.signal(signal.SIGTERM, pass_on)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _forget_compile_pools() -> None:
@@ -316,6 +345,10 @@ class _Script(_SubprocessScriptLauncher):
         self.in_call = True
         try:
             return function(*args, **kwargs)
+        except SIGTERMException:
+            # Every rank raises it at the same step (`signals.py`) and goes on to its `on_exception`
+            # hooks, in which a checkpoint needs them all: an orderly end, not a failure to stop.
+            raise
         except BaseException as error:
             first = recorded_failures(range(1, self._strategy.world_size))
             watch.stop()

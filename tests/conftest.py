@@ -161,8 +161,9 @@ class SelfSignal(L.Callback):
 
     POINTS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
-    def __init__(self, signum: int, step: int, out_dir: Path, ranks: list[int] | None = None) -> None:
+    def __init__(self, signum: int, step: int, out_dir: Path, ranks: list[int] | None = None, parent: bool = False) -> None:
         self.signum, self.step, self.out_dir, self.ranks, self.sent = signum, step, out_dir, ranks, False
+        self.parent = parent  # send it to the process that started this one instead (a fork launch's main process)
         for point in self.POINTS:
             setattr(self, point, functools.partial(self._maybe_send, point))
 
@@ -173,7 +174,7 @@ class SelfSignal(L.Callback):
         mine = self.ranks is None or rank in self.ranks
         if mine and not self.sent and trainer.global_step == self.step and point == self.POINTS[rank % 3]:
             self.sent = True
-            os.kill(os.getpid(), self.signum)
+            os.kill(os.getppid() if self.parent else os.getpid(), self.signum)
 
 
 def worker_processes() -> list[psutil.Process]:

@@ -27,7 +27,7 @@ ranks also do with `--checkpoint-after-exit`). `--fail-before-fit LOCAL_RANK` ma
 before it makes its Trainer.
 `--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
 step STEP, each at its own point of the step (`tests.conftest.SelfSignal`); each rank writes its
-global step after every batch to OUT_DIR/step{N}.txt.
+global step after every batch to OUT_DIR/step{N}.txt; an `OnExceptionCheckpoint` writes OUT_DIR/on_exception.ckpt.
 `--model tied` trains `TiedNet` (its first layer's weight also used by its head, a stage apart);
 `--model replicas` trains `Net` as replicas (`parallelism="replicas"`); `--model batchnorm` trains
 `BatchNormNet` as replicas with whole-batch statistics (`sync_batchnorm=True`). `--cpu-workers N`
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -101,6 +101,7 @@ def main() -> None:
         name, step, *rank = args.signal.split(":")
         ranks = [int(r) for r in rank] or None
         callbacks.append(SelfSignal(getattr(signal, name), int(step), args.out_dir, ranks))
+        callbacks.append(OnExceptionCheckpoint(args.out_dir))
     if args.resume:
         callbacks.append(ModelCheckpoint(dirpath=args.resume, filename="{step}", every_n_train_steps=4, save_last=True))
     if args.analyzer:
@@ -111,7 +112,7 @@ def main() -> None:
         num_nodes=args.num_nodes,
         sync_batchnorm=args.model == "batchnorm",
         callbacks=callbacks,
-        enable_checkpointing=bool(args.resume),
+        enable_checkpointing=bool(args.resume or args.signal),
     )
     if args.analyzer:
         t.validate(model, regression_data(n=20, seed=3), verbose=False)

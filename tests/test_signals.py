@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from tests.conftest import SelfSignal, hetero, max_param_diff, trainer
+from tests.conftest import SelfSignal, hetero, max_param_diff, trainer, worker_processes
 from tests.models import Net, regression_data
 from tests.test_launchers import SCRIPT, clean_env, slurm_tasks
 
@@ -42,9 +42,20 @@ def test_sigterm_to_a_cpu_worker_without_a_share_reaches_the_stages(tmp_path: Pa
     """At `cpu_fraction=0` the CPU worker does not report to the stages: it passes the signal on."""
     strategy = hetero(cpu_fraction=0.0, timeout=20)
     t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[0])])
+    model, plain = Net(), Net()
     with pytest.raises(SIGTERMException):
-        t.fit(Net(), regression_data())
+        t.fit(model, regression_data())
     assert last_steps(tmp_path) == [4, 4, 4]
+    trainer(None, max_steps=4).fit(plain, regression_data())
+    assert max_param_diff(plain, model) < TOL  # rank 0, idle throughout, was brought up to date first
+
+
+def test_sigterm_to_the_main_process_of_a_fork_run_ends_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    """`kill PID` of a script that forked its ranks: the main process passes it on to them."""
+    callback = SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[2], parent=True)
+    with pytest.raises(SIGTERMException):
+        trainer(hetero(cpu_fraction=0.5, timeout=20), max_steps=12, callbacks=[callback]).fit(Net(), regression_data())
+    assert len(set(last_steps(tmp_path))) == 1 and last_steps(tmp_path)[0] < 12
 
 
 def test_sigterm_to_the_main_process_of_a_popen_run_ends_every_rank_after_the_same_step(tmp_path: Path) -> None:
@@ -55,6 +66,12 @@ def test_sigterm_to_the_main_process_of_a_popen_run_ends_every_rank_after_the_sa
     assert done.returncode == 0, done.stderr  # Lightning's SIGTERMException is a SystemExit
     assert last_steps(tmp_path) == [4, 4, 4]
     assert not (tmp_path / "state.pt").exists()  # the script ended in `fit`
+    # Every rank ran its `on_exception` hooks, and `OnExceptionCheckpoint` wrote the whole state of step 4.
+    checkpoint = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    plain = Net()
+    trainer(None, max_steps=4).fit(plain, regression_data())
+    assert checkpoint["global_step"] == 4 and max_param_diff(plain.state_dict(), checkpoint["state_dict"]) < TOL
+    assert checkpoint["optimizer_states"][0]["state"]
 
 
 def test_slurm_requeue_signal_checkpoints_and_requeues_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,3 +96,13 @@ def test_slurm_requeue_signal_checkpoints_and_requeues_once(tmp_path: Path, monk
     trainer(None, max_steps=8).fit(at_eight, regression_data())
     assert max_param_diff(at_six.state_dict(), checkpoint["state_dict"]) < TOL
     assert max_param_diff(at_eight.state_dict(), torch.load(out / "state.pt")) < TOL  # training went on
+
+
+def test_ctrl_c_to_the_main_process_of_a_fork_run_stops_its_ranks(tmp_path: Path) -> None:
+    """A notebook's "interrupt kernel" signals the main process alone: its ranks must not train on
+    (they held the run's port, and the next `fit` in the session failed)."""
+    callback = SelfSignal(signal.SIGINT, 3, tmp_path, ranks=[2], parent=True)
+    with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt
+        trainer(hetero(cpu_fraction=0.5, timeout=20), max_steps=200, callbacks=[callback]).fit(Net(), regression_data())
+    assert worker_processes() == []
+    assert max(last_steps(tmp_path)) < 200
