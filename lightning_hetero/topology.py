@@ -411,6 +411,12 @@ def connect(
             environment, world_backend(topology), timeout=timeout, **({"store": store} if store is not None else {})
         )
     except dist.DistError as error:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            error.add_note(
+                f"[hetero] On {rank_name}: the run's port (`MASTER_PORT={os.environ.get('MASTER_PORT')}`) is in use,"
+                " by another run or by the processes of one that did not end: end it, or set another `MASTER_PORT`."
+            )
+            raise
         error.add_note(
             f"[hetero] On {rank_name}: not all {topology.world_size} processes of the layout joined"
             f" within the timeout ({timeout.total_seconds():g} s). With `num_nodes={topology.num_nodes}`,"

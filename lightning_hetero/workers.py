@@ -172,6 +172,11 @@ def _unique(params: Any) -> list[nn.Parameter]:
 
 def _loss_of(output: Any, method: str) -> Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
+    if isinstance(output, Mapping) and not isinstance(loss, Tensor):
+        raise TypeError(
+            f"`{method}` returned a dict with {'no' if loss is None else 'a non-tensor'} 'loss' key (keys:"
+            f" {sorted(map(str, output))}): return the loss as a tensor, or a dict holding it under 'loss'."
+        )
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"`{method}` must return the loss, as a tensor or a dict with a 'loss' key, on every step; got"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -152,6 +153,12 @@ class ReentrantCheckpoint(NoContract):
         return nn.functional.mse_loss(hidden, batch[1])
 
 
+class LossUnderAnotherKey(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> dict:
+        x, y = batch
+        return {"train_loss": self.pipeline_loss(self(x), y)}
+
+
 class WithLBFGS(Net):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters())
@@ -162,6 +169,16 @@ def fit(
 ) -> None:
     strategy = strategy or hetero(cpu_fraction=0.5)
     trainer(strategy, max_steps=1, **kwargs).fit(model or Net(), data if data is not None else regression_data(), val)
+
+
+def as_python_c(run: Callable[[], Any]) -> Any:
+    """``run()`` as under ``python -c`` (no script to run again)."""
+    before = sys.argv
+    sys.argv = ["-c"]
+    try:
+        return run()
+    finally:
+        sys.argv = before
 
 
 def as_node_zero(run: Callable[[], Any]) -> Any:
@@ -331,6 +348,15 @@ CASES = {
         in_run=True,
         rank="global rank 2 (stage1",  # the last stage replays the step on the pipeline's outputs
     ),
+    "a-dict-without-the-loss": Bad(
+        lambda _: fit(LossUnderAnotherKey(), strategy=hetero(cpu_fraction=0.5, parallelism="replicas")),
+        "`training_step` returned a dict with no 'loss' key (keys: ['train_loss'])",
+        in_run=True,
+    ),
+    "popen-under-python-c": Bad(
+        lambda _: as_python_c(lambda: HeteroStrategy(start_method="popen")),
+        "`python -c` has no script to run: use `start_method='fork'` or `'spawn'`",
+    ),
     "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
     "a-dict-between-stages": Bad(
         lambda _: fit(DictBetweenStages()),
@@ -454,3 +480,18 @@ def test_what_the_processes_would_accept_is_not_refused_beforehand(case: Callabl
     monkeypatch.setattr(mp, "start_processes", started)
     with pytest.raises(Started):
         case()
+
+
+def test_a_port_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's port held by another (or by the ranks of one that did not end) is not a timeout."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        with pytest.raises(Exception) as error:
+            fit(strategy=hetero(cpu_fraction=0.5, timeout=10))
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert "is in use, by another run or by the processes of one that did not end" in text
+    assert "joined within the timeout" not in text

@@ -298,3 +298,16 @@ def test_a_forked_rank_compiles_in_its_own_pool() -> None:
     finally:
         pool.shutdown()
         AsyncCompile.pool.cache_clear()
+
+
+def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
+    """`python -c` has no script for popen to run again: the default start method forks there."""
+    code = (
+        "from tests.conftest import trainer; from tests.models import Net, regression_data;"
+        "from lightning_hetero import HeteroStrategy;"
+        "s = HeteroStrategy(stages=['cpu', 'cpu'], cpu_fraction=0.5, timeout=60);"
+        "trainer(s, max_steps=2).fit(Net(), regression_data()); print('start method', s._start_method)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and "start method fork" in done.stdout, done.stderr[-2000:]
