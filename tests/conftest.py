@@ -169,8 +169,10 @@ class SelfSignal(L.Callback):
 
     def _maybe_send(self, point: str, trainer: L.Trainer, *args: Any) -> None:
         rank = trainer.global_rank
-        if point == "on_train_batch_end":
-            (self.out_dir / f"step{rank}.txt").write_text(str(trainer.global_step))
+        if point == "on_train_batch_end":  # whole or not at all: a rank may be killed while it writes
+            written = self.out_dir / f".step{rank}.txt"
+            written.write_text(str(trainer.global_step))
+            os.replace(written, self.out_dir / f"step{rank}.txt")
         mine = self.ranks is None or rank in self.ranks
         if mine and not self.sent and trainer.global_step == self.step and point == self.POINTS[rank % 3]:
             self.sent = True
