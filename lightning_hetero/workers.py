@@ -190,6 +190,8 @@ class Worker:
 
     speed_key = ""
     """Which of the strategy's ``emulated_speed`` keys paces this role (testing only)."""
+    receives_refresh = False
+    """A CPU worker's replica, which ``refresh`` brings up to date from the stages'."""
     device = torch.device("cpu")
     """Where this rank computes."""
     norm_slot: Optional[int] = None
@@ -281,8 +283,9 @@ class Worker:
         return bool(set(bucket.stages) & set(self.held_stages()))
 
     def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        """Bring the CPU workers' stale replicas up to date from the stages (a collective)."""
-        raise NotImplementedError
+        """Bring the CPU workers' stale replicas up to date from the stages (a collective: the stages
+        send, the CPU workers receive)."""
+        refresh_replicas(self.receives_refresh, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
     def build_sync(
         self,
@@ -488,6 +491,7 @@ class CpuWorker(_WholeModel):
     """A full replica on the CPU, running the module's own step methods on its share."""
 
     speed_key = "cpu"
+    receives_refresh = True
 
     def __init__(self, module: LightningModule, placement: Placement, index: int) -> None:
         super().__init__(module, placement.all_params(), placement)
@@ -509,10 +513,6 @@ class CpuWorker(_WholeModel):
     @override
     def held_stages(self) -> list[int]:
         return list(range(len(self.placement.bounds)))
-
-    @override
-    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(True, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
 
 class SoleStage(_WholeModel):
@@ -539,10 +539,6 @@ class SoleStage(_WholeModel):
     @override
     def held_stages(self) -> list[int]:
         return [0]
-
-    @override
-    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(False, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
 
 class DeviceReplica(SoleStage):
@@ -700,10 +696,6 @@ class StageWorker(Worker):
     @override
     def held_stages(self) -> list[int]:
         return list(self.pipeline.stage_indices)
-
-    @override
-    def refresh(self, optimizer: Optional[Optimizer], steps: Sequence[BucketStep]) -> None:
-        refresh_replicas(False, self.placement, self.module, self.buffer_versions, optimizer, steps)
 
     @override
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
