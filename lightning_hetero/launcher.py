@@ -36,7 +36,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
@@ -65,6 +65,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
+from lightning_hetero.signals import pass_on
 from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, recorded_failures
 
 if TYPE_CHECKING:
@@ -231,13 +232,10 @@ def _passing_sigterm_to(processes: Sequence[Any]) -> Iterator[None]:
         yield
         return
 
-    def pass_on(signum: int, frame: Any) -> None:
-        for process in processes:
-            if process.pid is not None and process.is_alive():
-                with suppress(ProcessLookupError):
-                    os.kill(process.pid, signum)
+    def to_ranks(signum: int, frame: Any) -> None:
+        pass_on(signum, [p.pid for p in processes if p.pid is not None and p.is_alive()])
 
-    previous = signal.signal(signal.SIGTERM, pass_on)
+    previous = signal.signal(signal.SIGTERM, to_ranks)
     try:
         yield
     finally:

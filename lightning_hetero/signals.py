@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["StepSignals", "TERMINATE", "REQUEUE", "STOP"]
+__all__ = ["StepSignals", "TERMINATE", "REQUEUE", "STOP", "pass_on"]
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,7 @@ class StepSignals(_SignalConnector):
         self._terminate = True
         # Every process of the node notes it too, wherever it landed: a CPU worker without a share
         # of the batches does not report to the stages ([Note: one-way exchange] in `results.py`).
-        for pid in self.peers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        pass_on(signum, self.peers)
 
     def _slurm_sigusr_handler_fn(self, signum: _SIGNUM, _: Optional[FrameType]) -> None:
         if self._requeue_expected:  # the signal already agreed on, landing late here
@@ -140,3 +138,10 @@ class StepSignals(_SignalConnector):
             super()._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
         if self.received_sigterm:
             raise SIGTERMException()
+
+
+def pass_on(signum: int, pids: Sequence[int]) -> None:
+    """Send ``signum`` to each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)

@@ -11,8 +11,8 @@ model a single process trains on the same batches.
 from __future__ import annotations
 
 import inspect
-import os
 import logging
+import os
 import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
