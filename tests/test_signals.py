@@ -24,30 +24,31 @@ def last_steps(out: Path, ranks: int = 3) -> list[int]:
     return [int((out / f"step{rank}.txt").read_text()) for rank in range(ranks)]
 
 
-def test_sigterm_after_the_exchange_ends_every_rank_after_the_next_step(tmp_path: Path) -> None:
-    """Global rank 1 notes it after its backward in step 3, when the step's results have been
-    exchanged: every rank learns of it in step 4 and ends after that step (fork: the main process
-    raises Lightning's `SIGTERMException`, as a single process does)."""
-    strategy = hetero(cpu_fraction=0.5, timeout=20)
-    t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[1])])
+@pytest.mark.parametrize(
+    "cpu_fraction,rank,last_step",
+    [
+        # Global rank 1 notes it after its backward in step 3, when the step's results have been
+        # exchanged: every rank learns of it in step 4 and ends after that step.
+        (0.5, 1, 5),
+        # At `cpu_fraction=0` the CPU worker (rank 0) does not report to the stages, and passes the
+        # signal on to them; it was idle throughout, and is brought up to date before the end.
+        (0.0, 0, 4),
+    ],
+    ids=["noted-after-the-exchange", "cpu-worker-without-a-share"],
+)
+def test_sigterm_under_fork_ends_every_rank_after_the_same_step(
+    tmp_path: Path, cpu_fraction: float, rank: int, last_step: int
+) -> None:
+    """The main process then raises Lightning's `SIGTERMException`, as a single process does, and
+    holds what the ranks trained."""
+    strategy = hetero(cpu_fraction=cpu_fraction, timeout=20)
+    t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[rank])])
     model, plain = Net(), Net()
     with pytest.raises(SIGTERMException):
         t.fit(model, regression_data())
-    assert last_steps(tmp_path) == [5, 5, 5]
-    trainer(None, max_steps=5).fit(plain, regression_data())
-    assert max_param_diff(plain, model) < TOL  # the main process holds what the ranks trained
-
-
-def test_sigterm_to_a_cpu_worker_without_a_share_reaches_the_stages(tmp_path: Path) -> None:
-    """At `cpu_fraction=0` the CPU worker does not report to the stages: it passes the signal on."""
-    strategy = hetero(cpu_fraction=0.0, timeout=20)
-    t = trainer(strategy, max_steps=12, callbacks=[SelfSignal(signal.SIGTERM, 3, tmp_path, ranks=[0])])
-    model, plain = Net(), Net()
-    with pytest.raises(SIGTERMException):
-        t.fit(model, regression_data())
-    assert last_steps(tmp_path) == [4, 4, 4]
-    trainer(None, max_steps=4).fit(plain, regression_data())
-    assert max_param_diff(plain, model) < TOL  # rank 0, idle throughout, was brought up to date first
+    assert last_steps(tmp_path) == [last_step] * 3
+    trainer(None, max_steps=last_step).fit(plain, regression_data())
+    assert max_param_diff(plain, model) < TOL
 
 
 def test_sigterm_to_the_main_process_of_a_fork_run_ends_every_rank_after_the_same_step(tmp_path: Path) -> None:
