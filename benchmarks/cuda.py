@@ -1,5 +1,6 @@
 """On a machine with a GPU: the CPU beside the GPU against the GPU alone, and fine mode's offload
-against the GPU alone, for the recipes' models and a larger GPT, each measured side by side in one run.
+against the GPU alone and against torchao's offload, for the recipes' models and a larger GPT, each
+measured side by side in one run.
 
 - **CPU worker + GPU / GPU alone** (samples/s): plain Lightning on the GPU (``accelerator="gpu"``)
   against ``HeteroStrategy(stages=["cuda:0"])`` with one CPU worker (the cores the GPU's process
@@ -8,9 +9,14 @@ against the GPU alone, for the recipes' models and a larger GPT, each measured s
   below 1.00: where the CPU does not help, its share falls to 0.
 - **Fine mode, every bucket offloaded / GPU alone**: step time, and the GPU's peak memory beside it
   (the optimizer state lives in CPU memory).
+- **torchao's CPUOffloadOptimizer / GPU alone**: the same model under plain Lightning on the GPU,
+  its optimizer wrapped in ``torchao.optim.CPUOffloadOptimizer`` (where torchao is installed).
+  DeepSpeed ZeRO-Offload is not run: its CPU Adam is a C++ extension built at first use.
 
-Hetero runs start their processes with spawn, since this process has used CUDA (the GPU-alone
-runs). Where there is no CUDA device, every row says so.
+Step times come from the wall clock between the middle and the end of the run, with the GPU
+synchronized at both ends (a plain GPU run queues its kernels ahead). Hetero runs start their
+processes with spawn, since this process has used CUDA (the GPU-alone runs). Where there is no
+CUDA device, every row says so.
 
     python -m benchmarks.cuda [--steps N] [--repeats R]
 """
@@ -18,11 +24,13 @@ runs). Where there is no CUDA device, every row says so.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import Row, step_times
+from benchmarks.common import Row
 from benchmarks.planner import digits_loader, token_loader
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer
@@ -40,21 +48,40 @@ NO_CUDA = "not run: no CUDA device on this machine"
 NAMES = {
     "rebalanced": "CPU worker + GPU, rebalanced / GPU alone (samples/s)",
     "offload": "fine mode, every bucket offloaded / GPU alone (step time)",
+    "torchao": "fine mode, every bucket offloaded / torchao CPUOffloadOptimizer (step time)",
 }
+NO_DEEPSPEED = (
+    "DeepSpeed ZeRO-Offload: not run; its CPU Adam is a C++ extension compiled at first use, which the"
+    " GPU machine's time does not allow"
+)
 
 
 class Facts(L.Callback):
-    """Each rank writes, at the end of the fit, its CPU fraction, threads and peak GPU memory."""
+    """Each rank writes, at the end of the fit, its CPU fraction, threads and peak GPU memory; rank 0
+    also the mean step time from the middle of the run to its end."""
 
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, out: Path, start: int) -> None:
+        self.out, self.start = out, start
+        self._t0: float | None = None
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    @staticmethod
+    def _now(trainer: L.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.start and self._t0 is None:
+            self._t0 = self._now(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         cuda = trainer.strategy.root_device.type == "cuda"
+        end = self._now(trainer)
         facts = {
             "fraction": getattr(trainer.strategy, "cpu_fraction", 0.0),
             "threads": torch.get_num_threads(),
             "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "step": (end - self._t0) / (trainer.global_step - self.start) if self._t0 is not None else None,
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
 
@@ -77,23 +104,49 @@ def models(smoke: bool) -> list[tuple[str, Callable[[], L.LightningModule], Call
     ]
 
 
+def with_torchao_offload(model: L.LightningModule) -> L.LightningModule:
+    """``model`` with the optimizer its ``configure_optimizers`` returns rebuilt inside torchao's
+    ``CPUOffloadOptimizer`` (same class and hyperparameters; the optimizer steps on the CPU)."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    own = model.configure_optimizers
+
+    def configure_optimizers() -> Any:
+        optimizer = own()
+        hyper = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        return CPUOffloadOptimizer(model.parameters(), type(optimizer), **hyper)
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return model
+
+
 def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, **kwargs: Any) -> dict[str, Any]:
-    """Step times of the second half of a fit, and every rank's facts."""
+    """The mean step time of the second half of a fit, and every rank's facts."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        callbacks = [Facts(out), *kwargs.pop("callbacks", [])]
         if strategy is None:
             torch.cuda.reset_peak_memory_stats()
             kwargs.update(accelerator="gpu", devices=1)
-        times = step_times(strategy, model, loader, steps, callbacks=callbacks, **kwargs)
+        else:
+            kwargs["strategy"] = strategy
+        trainer = L.Trainer(
+            max_steps=steps,
+            callbacks=[Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
+        trainer.fit(model, loader)
         facts = [json.loads(p.read_text()) for p in sorted(out.glob("facts*.json"))]
-    return {"step": statistics.median(times[len(times) // 2 :]), "facts": facts}
+    return {"step": facts[0]["step"], "facts": facts}
 
 
-def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict[str, Any]]:
-    results = []
+def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str, Any]]:
+    """Per model, as each is measured: every configuration's runs, alternated."""
     for name, model, loader in models(smoke):
-        every = max(2, steps // 20)
+        every = max(4, steps // 20)  # the rebalancer measures every_n_steps - warmup_steps (2) steps a decision
         configs: dict[str, Callable[[], Any]] = {
             "gpu": lambda: _run(None, model(), loader(steps), steps),
             "rebalanced": lambda: _run(
@@ -110,38 +163,47 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict[str, Any
                 steps,
             ),
         }
-        results.append({"model": name, **_alternate(configs, repeats)})
-    return results
+        if importlib.util.find_spec("torchao") is not None:
+            configs["torchao"] = lambda: _run(None, with_torchao_offload(model()), loader(steps), steps)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        for _ in range(repeats):
+            for config, run in configs.items():
+                runs[config].append(run())
+        yield {"model": name, **runs}
 
 
-def _alternate(configs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[dict[str, Any]]]:
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, run in configs.items():
-            runs[name].append(run())
-    return runs
+def _peak(runs: list[dict[str, Any]]) -> float:
+    """The median over runs of the GPU rank's peak memory (MB)."""
+    return statistics.median(next(f["peak_mb"] for f in run["facts"] if f["peak_mb"] is not None) for run in runs)
+
+
+def model_rows(r: dict[str, Any]) -> list[Row]:
+    """The rows of one model's measurements."""
+    step = {config: statistics.median(run["step"] for run in runs) for config, runs in r.items() if config != "model"}
+    fractions = [run["facts"][0]["fraction"] for run in r["rebalanced"]]
+    threads = r["rebalanced"][0]["facts"][0]["threads"]
+    out = [
+        Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", step["gpu"] / step["rebalanced"], ">= 1.00",
+            f"step {step['rebalanced'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; settled CPU fraction"
+            f" {', '.join(f'{f:.2f}' for f in fractions)}; CPU worker threads {threads}"),
+        Row("CUDA", f"{r['model']}: {NAMES['offload']}", step["offload"] / step["gpu"], "",
+            f"step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
+            f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB"),
+    ]
+    if "torchao" in step:
+        out.append(
+            Row("CUDA", f"{r['model']}: {NAMES['torchao']}", step["offload"] / step["torchao"], "",
+                f"torchao step {step['torchao'] * 1e3:.2f} ms, peak GPU memory {_peak(r['torchao']):.0f} MB")
+        )
+    return out
 
 
 def rows(smoke: bool = False, **sizes: int) -> list[Row]:
     if not torch.cuda.is_available():
         return [Row("CUDA", name, math.nan, "", NO_CUDA) for name in NAMES.values()]
-    out = []
-    for r in measure(**(dict(steps=12, repeats=1) if smoke else {**DEFAULTS, **sizes}), smoke=smoke):
-        gpu = statistics.median(run["step"] for run in r["gpu"])
-        rebalanced = statistics.median(run["step"] for run in r["rebalanced"])
-        fractions = [run["facts"][0]["fraction"] for run in r["rebalanced"]]
-        threads = r["rebalanced"][0]["facts"][0]["threads"]
-        out.append(
-            Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", gpu / rebalanced, ">= 1.00",
-                f"settled CPU fraction {', '.join(f'{f:.2f}' for f in fractions)}; CPU worker threads {threads}")
-        )
-        offload = statistics.median(run["step"] for run in r["offload"])
-        peak = {name: statistics.median(run["facts"][-1]["peak_mb"] for run in r[name]) for name in ("gpu", "offload")}
-        out.append(
-            Row("CUDA", f"{r['model']}: {NAMES['offload']}", offload / gpu, "",
-                f"peak GPU memory {peak['offload']:.0f} MB offloaded vs {peak['gpu']:.0f} MB")
-        )
-    return out
+    sizes = dict(steps=12, repeats=1) if smoke else {**DEFAULTS, **sizes}
+    out = [row for r in measure(**sizes, smoke=smoke) for row in model_rows(r)]
+    return out + [Row("CUDA", NO_DEEPSPEED, math.nan)]
 
 
 def main() -> None:
@@ -149,8 +211,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
     args = parser.parse_args()
-    for row in rows(steps=args.steps, repeats=args.repeats):
-        print(f"{row.configuration:90s} {row.ratio:7.3f}  {row.note}")
+    if not torch.cuda.is_available():
+        print(NO_CUDA)
+        return
+    for r in measure(steps=args.steps, repeats=args.repeats):  # each model's rows as soon as they are measured
+        for row in model_rows(r):
+            print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
+    print(NO_DEEPSPEED)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,28 @@ import lightning.pytorch as pl
 
 __all__ = ["HeteroAccelerator"]
 
+_CUDA_AFTER_FORK = (
+    "CUDA could not start on {device} in this rank. Where the ranks are forked (start_method='fork', the"
+    " default in notebooks and under `python -c`), this is what happens when the main process started CUDA"
+    " before the fit: `torch.cuda.is_available()` does, by default. Ask `torch.cuda.device_count()` there"
+    " instead (it reads NVML), or set PYTORCH_NVML_BASED_CUDA_CHECK=1 before torch is imported, or start the"
+    " ranks with start_method='popen' or 'spawn'."
+)
+
 
 class HeteroAccelerator(Accelerator):
     """One accelerator for a run whose CPU workers and pipeline stages use different devices."""
 
     @override
     def setup_device(self, device: torch.device) -> None:
-        if device.type == "cuda":
+        if device.type != "cuda":
+            return
+        try:
             torch.cuda.set_device(device)
+        except RuntimeError as error:
+            if "initialization error" in str(error):  # cudaErrorInitializationError
+                raise RuntimeError(_CUDA_AFTER_FORK.format(device=device)) from error
+            raise
 
     _strategy: Any = None
 

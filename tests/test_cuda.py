@@ -5,7 +5,7 @@ process; bf16 on the GPU; the memory the offload saves; checkpoints; NVML stats 
 spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
-machine). The main process never touches CUDA, so the workers can be forked; the reference runs on
+machine). The main process never starts CUDA, so the workers can be forked; the reference runs on
 the CPU in float64.
 """
 
@@ -27,7 +27,8 @@ from tests.models import Net, read_metrics, regression_data
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    # device_count asks NVML; is_available would start the CUDA driver here, and a forked rank could not.
+    pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA device"),
 ]
 
 STEPS = 8
@@ -156,7 +157,7 @@ def test_checkpoints_resume_exactly_on_the_gpu(reference: dict, tmp_path: Path) 
     checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_last=True)
     model = Net()
     trainer(gpu(), max_steps=4, callbacks=[checkpoints], enable_checkpointing=True).fit(model, regression_data())
-    resumed = Net()
+    resumed = Net().double()  # Lightning loads the checkpoint before the precision plugin converts the model
     trainer(gpu(), max_steps=STEPS).fit(resumed, regression_data(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert max_param_diff(reference, resumed) < TOL["64-true"]
 
@@ -187,3 +188,23 @@ def test_encoders_placed_between_a_gpu_replica_and_a_cpu_worker(mode: str, tmp_p
 
     strategy = gpu(mode=mode, encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3)
     assert_same_run(tmp_path, strategy, Multimodal, multimodal_data)
+
+
+def test_a_fork_after_the_main_process_started_cuda_is_explained(tmp_path: Path) -> None:
+    """`torch.cuda.is_available()` starts the CUDA driver, and a process forked after it cannot use
+    CUDA: the rank's error says so and what to do. In a process of its own, so that this one's
+    ranks can still be forked."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "assert torch.cuda.is_available()\n"
+        "from tests.conftest import hetero, trainer\n"
+        "from tests.models import Net, regression_data\n"
+        "trainer(hetero(stages=['cuda:0'], cpu_fraction=0.5, start_method='fork', timeout=20), max_steps=2)"
+        ".fit(Net(), regression_data())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    assert run.returncode != 0
+    assert "torch.cuda.is_available()` does" in run.stderr, run.stderr[-3000:]

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -311,3 +311,25 @@ def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "start method fork" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA cannot start in a process forked after its parent started the driver, which
+    `torch.cuda.is_available()` does: the rank's error says so and what to do, not just
+    "initialization error". Other CUDA errors pass through as they are."""
+    from lightning_hetero.accelerator import HeteroAccelerator
+
+    def fails(error: str) -> Callable[[torch.device], None]:
+        def set_device(device: torch.device) -> None:
+            raise RuntimeError(error)
+
+        return set_device
+
+    monkeypatch.setattr(torch.cuda, "set_device", fails("CUDA error: initialization error\nCUDA kernel errors ..."))
+    with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\)` does.*device_count\(\)") as error:
+        HeteroAccelerator().setup_device(torch.device("cuda", 0))
+    assert "initialization error" in str(error.value.__cause__)
+    monkeypatch.setattr(torch.cuda, "set_device", fails("CUDA error: invalid device ordinal"))
+    with pytest.raises(RuntimeError, match="^CUDA error: invalid device ordinal$"):
+        HeteroAccelerator().setup_device(torch.device("cuda", 7))
+    HeteroAccelerator().setup_device(torch.device("cpu"))  # nothing to start
