@@ -114,7 +114,10 @@ def with_torchao_offload(model: L.LightningModule) -> L.LightningModule:
     def configure_optimizers() -> Any:
         optimizer = own()
         hyper = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        return CPUOffloadOptimizer(model.parameters(), type(optimizer), **hyper)
+        offloaded = CPUOffloadOptimizer(model.parameters(), type(optimizer), **hyper)
+        # It skips Optimizer.__init__, so it lacks the two attributes Lightning checks an optimizer for.
+        offloaded.defaults, offloaded.state = dict(optimizer.defaults), {}
+        return offloaded
 
     model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
     return model

@@ -21,12 +21,12 @@ import lightning.pytorch as pl
 __all__ = ["HeteroAccelerator"]
 
 _CUDA_AFTER_FORK = (
-    "CUDA could not start on {device} in this rank. Where the ranks are forked (start_method='fork', the"
-    " default in notebooks and under `python -c`), this is what happens when the main process started CUDA"
-    " before the fit: `torch.cuda.is_available()` does, by default. Ask `torch.cuda.device_count()` there"
-    " instead (it reads NVML), or set PYTORCH_NVML_BASED_CUDA_CHECK=1 before torch is imported, or start the"
-    " ranks with start_method='popen' or 'spawn'."
+    "CUDA could not start on {device} in this rank. The ranks were forked (start_method='fork', the default in"
+    " notebooks and under `python -c`) from a process that had already started CUDA, and a forked process"
+    " cannot. Start the ranks with start_method='popen' or 'spawn', or leave CUDA alone in the main process"
+    " before the fit (ask for the device count with `torch.cuda.device_count()`, which reads NVML)."
 )
+_FORK_ERRORS = ("Cannot re-initialize CUDA in forked subprocess", "initialization error")
 
 
 class HeteroAccelerator(Accelerator):
@@ -39,7 +39,7 @@ class HeteroAccelerator(Accelerator):
         try:
             torch.cuda.set_device(device)
         except RuntimeError as error:
-            if "initialization error" in str(error):  # cudaErrorInitializationError
+            if any(message in str(error) for message in _FORK_ERRORS):  # torch's refusal, or CUDA's own error
                 raise RuntimeError(_CUDA_AFTER_FORK.format(device=device)) from error
             raise
 
