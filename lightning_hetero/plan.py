@@ -204,6 +204,13 @@ class HeteroPlan:
             layers = check_replica_contract(model)
             bounds = [(0, len(layers))]
         else:
+            if len({device.type for device in resolve_stage_devices(self.stages)}) > 1:
+                raise ValueError(
+                    f"`stages={list(self.stages)}` puts GPU and CPU stages in one pipeline. Its stages send each other"
+                    " their activations over NCCL, which needs a GPU in every stage's process, and a pipeline runs at"
+                    " the pace of its slowest stage. Give every stage a GPU, and put the CPU to work as a CPU worker"
+                    " (`cpu_workers`: it trains a share of every batch beside the pipeline)."
+                )
             layers = check_model_contract(model)
             count = len(self.stages) * self.stages_per_process
             bounds = self.cut(layer_names(model, layers)) or partition_layers(layers, count)

@@ -243,7 +243,7 @@ def resolve_stage_devices(stages: StagesArg) -> tuple[torch.device, ...]:
         if stages > gpus:
             raise ValueError(
                 f"`stages={stages}` asks for {stages} GPU stages but this machine has {gpus} GPU(s)."
-                " Use fewer stages, or list the devices explicitly (e.g. stages=['cuda:0', 'cpu'])."
+                " Use fewer stages, and put the CPU to work as a CPU worker (`cpu_workers`)."
             )
         return tuple(torch.device("cuda", i) for i in range(stages))
     if len(stages) == 0:
