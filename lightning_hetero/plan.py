@@ -174,10 +174,12 @@ class HeteroPlan:
 
     def for_model(self, model: nn.Module) -> HeteroPlan:
         """This plan with ``parallelism`` decided for ``model`` (``"auto"``: a pipeline where it offers
-        blocks, replicas where it does not)."""
+        blocks and there are two stages or more, replicas otherwise: a pipeline of one stage is a replica
+        that only cuts its share into micro-batches)."""
         if self.parallelism != "auto":
             return self
-        return replace(self, parallelism="pipeline" if offers_blocks(model) else "replicas")
+        pipelined = offers_blocks(model) and len(self.stages) * self.stages_per_process > 1
+        return replace(self, parallelism="pipeline" if pipelined else "replicas")
 
     def stage_holders(self) -> list[int]:
         """The stage process that holds each of the pipeline's stages: stage ``s`` is process ``s`` with
