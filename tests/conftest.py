@@ -68,6 +68,17 @@ def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mp, "start_processes", refuse)
 
 
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine reports one GPU: strategies on `cuda:0` are built and checked, and refused or
+    stopped before anything runs there."""
+    import lightning_hetero.accelerator
+    import lightning_hetero.topology
+
+    for module in (lightning_hetero.topology, lightning_hetero.accelerator):
+        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
+
+
 class OptimizerMemory(L.Callback):
     """Every rank writes the elements of optimizer state it holds (tensors of one or more dimensions) to
     ``out/optimizer{global rank}.pt``: its offloaded bucket steps' (``offloaded``) and its optimizer's

@@ -409,16 +409,11 @@ def test_bad_input_gets_its_own_clear_error(case: Bad, tmp_path: Path, monkeypat
 
 
 def test_a_pipeline_of_gpu_and_cpu_stages_is_refused_before_any_process_starts(
-    monkeypatch: pytest.MonkeyPatch, no_processes: None
+    no_processes: None, one_gpu: None
 ) -> None:
     """On a machine with a GPU, `stages=["cuda:0", "cpu"]` would put a CPU process in the stages' NCCL
     group: refused, pointing to a CPU worker. The same stages as replicas (a model without blocks) are
     not a pipeline, and pass this check."""
-    import lightning_hetero.accelerator
-    import lightning_hetero.topology
-
-    for module in (lightning_hetero.topology, lightning_hetero.accelerator):
-        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
     strategy = hetero(stages=["cuda:0", "cpu"], cpu_fraction=0.5)
     with pytest.raises(ValueError, match=r"puts GPU and CPU stages in one pipeline.*as a CPU worker \(`cpu_workers`"):
         trainer(strategy, max_steps=1).fit(Net(), regression_data())

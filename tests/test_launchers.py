@@ -341,16 +341,11 @@ def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(
 
 
 def test_a_fork_from_a_process_that_started_cuda_is_refused_before_any_rank_starts(
-    monkeypatch: pytest.MonkeyPatch, no_processes: None
+    monkeypatch: pytest.MonkeyPatch, no_processes: None, one_gpu: None
 ) -> None:
     """On a GPU machine any earlier fit starts CUDA in the process (Lightning saves the CUDA random
     state around its sanity check), and torch refuses CUDA to ranks forked after that: the fit says
     so, and what to do, before it forks."""
-    import lightning_hetero.accelerator
-    import lightning_hetero.topology
-
-    for module in (lightning_hetero.topology, lightning_hetero.accelerator):
-        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     strategy = hetero(stages=["cuda:0"], cpu_fraction=0.5, start_method="fork")
     with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*start_method='spawn'"):
