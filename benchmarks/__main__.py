@@ -34,7 +34,6 @@ BENCHMARKS = [
     "cuda",
 ]
 NOT_WRITTEN = [
-    "fine mode with offload / DeepSpeed ZeRO-Offload and torchao's CPUOffloadOptimizer (step time)",
     "largest model that fits, with / without offload (parameters)",
     "the analyzer's predicted / measured step time with a GPU stage",
 ]
