@@ -57,8 +57,8 @@ NO_DEEPSPEED = (
 
 
 class Facts(L.Callback):
-    """Each rank writes, at the end of the fit, its CPU fraction, threads and peak GPU memory; rank 0
-    also the mean step time from the middle of the run to its end."""
+    """Each rank writes, at the end of the fit, its CPU fraction, threads, peak GPU memory and whether
+    it started CUDA; rank 0 also the mean step time from the middle of the run to its end."""
 
     def __init__(self, out: Path, start: int) -> None:
         self.out, self.start = out, start
@@ -81,6 +81,7 @@ class Facts(L.Callback):
             "fraction": getattr(trainer.strategy, "cpu_fraction", 0.0),
             "threads": torch.get_num_threads(),
             "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+            "cuda_started": torch.cuda.is_initialized(),  # on a CPU worker: a CUDA context it holds for nothing
             "step": (end - self._t0) / (trainer.global_step - self.start) if self._t0 is not None else None,
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
@@ -188,7 +189,8 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
     out = [
         Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", step["gpu"] / step["rebalanced"], ">= 1.00",
             f"step {step['rebalanced'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; settled CPU fraction"
-            f" {', '.join(f'{f:.2f}' for f in fractions)}; CPU worker threads {threads}"),
+            f" {', '.join(f'{f:.2f}' for f in fractions)}; CPU worker threads {threads}; CUDA started on the CPU"
+            f" worker: {'yes' if r['rebalanced'][0]['facts'][0]['cuda_started'] else 'no'}"),
         Row("CUDA", f"{r['model']}: {NAMES['offload']}", step["offload"] / step["gpu"], "",
             f"step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
             f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB"),
