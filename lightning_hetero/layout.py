@@ -135,10 +135,7 @@ class RunLayout:
         if plan.cpu_cores is not None and self.role.is_cpu_worker:
             pin_to(plan.cpu_cores[self.role.index])  # its NUMA node's cores, with its memory
         cpu_computes = plan.cpu_fraction > 0 or any(host.startswith("cpu") for host in plan.encoders.values())
-        offloading = plan.mode == "fine" and plan.offload not in ("none", [])
-        threads = threads_for(
-            self.role, self.topology, usable_cores(), plan.cpu_threads, cpu_computes, plan.stage_threads, offloading
-        )
+        threads = threads_for(self.role, self.topology, usable_cores(), plan.cpu_threads, cpu_computes, plan.stage_threads)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
             if self._engine is not None:

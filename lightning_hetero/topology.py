@@ -193,15 +193,13 @@ def threads_for(
     cpu_threads: int | None = None,
     cpu_share: bool = True,
     stage_threads: int | None = None,
-    offloading: bool = False,
 ) -> int:
     """Torch threads for one process of a node with ``cores`` cores.
 
     Emulated (CPU) stages share the cores evenly with the CPU workers; while the CPU workers have
     no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
     them alone. With GPU stages, each GPU stage process keeps one core to drive its device and the
-    CPU workers share the rest; a GPU stage that steps offloaded buckets on the CPU (``offloading``)
-    shares the cores with the other GPU stages while the CPU workers compute nothing. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
+    CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
     the stages' (a plan's split of the cores between loading and compute). A CPU worker pinned to
     cores (``topology.cpu_cores``) takes one thread per core it has.
     """
@@ -210,7 +208,7 @@ def threads_for(
         return stage_threads
     if role.is_stage:
         if topology.stage_devices[role.index].type == "cuda":
-            return max(1, cores // gpu_stages) if offloading and not (cpu_share and topology.cpu_workers) else 1
+            return 1
         if cpu_share:
             return max(1, cores // topology.procs_per_node)
         return max(1, (cores - gpu_stages) // (topology.num_stages - gpu_stages))

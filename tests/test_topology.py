@@ -50,28 +50,6 @@ def test_threads_share_the_cores(stages: list[str], cpu_workers: int, cpu_share:
     assert threads == expected
 
 
-@pytest.mark.parametrize(
-    "stages, cpu_workers, cpu_share, expected",
-    [
-        (["cuda:0"], 0, True, [16]),  # no CPU worker: the offloaded steps have every core
-        (["cuda:0", "cuda:1"], 1, False, [14, 8, 8]),  # the CPU worker has no share
-        (["cuda:0", "cuda:1"], 1, True, [14, 1, 1]),  # it computes: the stages keep a core each
-    ],
-)
-def test_a_gpu_stage_that_steps_offloaded_buckets_takes_the_idle_cores(
-    stages: list[str], cpu_workers: int, cpu_share: bool, expected: list[int]
-) -> None:
-    """The GPU stage steps its offloaded buckets with torch's CPU optimizer, in its own process: with
-    one thread that step was one core's work. (On the GPU machine, fine mode with every bucket
-    offloaded took twice the GPU alone's step; torchao's offload, stepping on every core, did not.)"""
-    topology = Topology(cpu_workers=cpu_workers, stage_devices=tuple(torch.device(d) for d in stages))
-    threads = [
-        threads_for(topology.role(r), topology, 16, cpu_share=cpu_share, offloading=True)
-        for r in range(topology.procs_per_node)
-    ]
-    assert threads == expected
-
-
 def test_a_wrong_number_of_processes_says_what_to_change() -> None:
     """Twice the processes per node's count: the Trainer's `num_nodes` was left out; otherwise the
     count per node is wrong."""
