@@ -174,12 +174,10 @@ class HeteroPlan:
 
     def for_model(self, model: nn.Module) -> HeteroPlan:
         """This plan with ``parallelism`` decided for ``model`` (``"auto"``: a pipeline where it offers
-        blocks and there are two stages or more, replicas otherwise: a pipeline of one stage is a replica
-        that only cuts its share into micro-batches)."""
+        blocks, replicas where it does not)."""
         if self.parallelism != "auto":
             return self
-        pipelined = offers_blocks(model) and len(self.stages) * self.stages_per_process > 1
-        return replace(self, parallelism="pipeline" if pipelined else "replicas")
+        return replace(self, parallelism="pipeline" if offers_blocks(model) else "replicas")
 
     def stage_holders(self) -> list[int]:
         """The stage process that holds each of the pipeline's stages: stage ``s`` is process ``s`` with

@@ -105,8 +105,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             training DataLoaders left at ``num_workers=0``, keeping a count you set; ``"tune"`` also for
             those; ``"keep"`` never changes one; an int sets every DataLoader's (``docs/planning.md``).
         parallelism: what the devices hold: ``"pipeline"``, a stage each, cut from the model's blocks;
-            ``"replicas"``, the whole model each (any LightningModule); ``"auto"``: a pipeline where the model offers blocks
-            and there are two stages or more (``stages`` times ``stages_per_process``), replicas otherwise.
+            ``"replicas"``, the whole model each (any LightningModule); ``"auto"``: a pipeline where the model offers blocks.
         encoders: a multimodal model's encoders by modality, placed: ``"cpuN"`` (CPU worker N) or ``"deviceN"``
             (the process of device N) computes that encoder for every worker's share of each batch, while the
             others compute theirs; ``"split"`` (the default for any left out): every worker its own share's
