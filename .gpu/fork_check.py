@@ -1,5 +1,5 @@
-"""Which call in a main process keeps its forked children from using CUDA: after each step below
-(in this order, each on top of the ones before), a forked child tries to put a tensor on the GPU.
+"""Which call in a main process keeps its forked children from using CUDA: each step below runs
+alone in a fresh process, then a child forked from it tries to put a tensor on the GPU.
 
     python3 .gpu/fork_check.py        # on the GPU machine, from the repository's root
 """
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -38,20 +39,24 @@ def pytest_collection() -> None:
     pytest.main(["--co", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"])
 
 
-STEPS: list[tuple[str, Callable[[], object]]] = [
-    ("nothing", lambda: None),
-    ("torch.cuda.device_count()", torch.cuda.device_count),
-    ("import lightning, lightning_hetero", lambda: __import__("lightning_hetero")),
-    ("a plain Lightning fit on the CPU", plain_cpu_fit),
-    ("pytest's collection of tests/test_cuda.py", pytest_collection),
-    ("torch.cuda.is_available()", torch.cuda.is_available),
-    ("torch._C._cuda_getDeviceCount()", lambda: torch._C._cuda_getDeviceCount()),
-]
+STEPS: dict[str, Callable[[], object]] = {
+    "nothing": lambda: None,
+    "torch.cuda.device_count()": torch.cuda.device_count,
+    "torch.cuda.is_available()": torch.cuda.is_available,
+    "torch._C._cuda_getDeviceCount()": lambda: torch._C._cuda_getDeviceCount(),
+    "import lightning, lightning_hetero": lambda: __import__("lightning_hetero"),
+    "a plain Lightning fit on the CPU": plain_cpu_fit,
+    "pytest's collection of tests/test_cuda.py": pytest_collection,
+}
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    print("PYTORCH_NVML_BASED_CUDA_CHECK =", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), flush=True)
-    for name, step in STEPS:
-        step()
+    if len(sys.argv) > 1:  # one step, in this fresh process
+        name = sys.argv[1]
+        STEPS[name]()
         print(f"after {name}: a forked child uses CUDA: {child_uses_cuda()};"
               f" torch.cuda.is_initialized() here: {torch.cuda.is_initialized()}", flush=True)
+    else:
+        print("PYTORCH_NVML_BASED_CUDA_CHECK =", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), flush=True)
+        for name in STEPS:
+            subprocess.run([sys.executable, __file__, name], check=False)

@@ -26,7 +26,7 @@ _CUDA_AFTER_FORK = (
     " cannot. Start the ranks with start_method='popen' or 'spawn', or leave CUDA alone in the main process"
     " before the fit (ask for the device count with `torch.cuda.device_count()`, which reads NVML)."
 )
-_FORK_ERRORS = ("Cannot re-initialize CUDA in forked subprocess", "initialization error")
+_FORK_REFUSAL = "Cannot re-initialize CUDA in forked subprocess"
 
 
 class HeteroAccelerator(Accelerator):
@@ -39,7 +39,7 @@ class HeteroAccelerator(Accelerator):
         try:
             torch.cuda.set_device(device)
         except RuntimeError as error:
-            if any(message in str(error) for message in _FORK_ERRORS):  # torch's refusal, or CUDA's own error
+            if _FORK_REFUSAL in str(error):
                 raise RuntimeError(_CUDA_AFTER_FORK.format(device=device)) from error
             raise
 

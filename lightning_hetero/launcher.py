@@ -111,11 +111,12 @@ def resolve_start_method(start_method: str) -> str:
 
 
 _CUDA_STARTED_BEFORE_FORK = (
-    "This process has already started CUDA, and ranks forked from it cannot use it (torch refuses). On a"
-    " machine with a GPU, any Trainer's fit starts it, even on the CPU (Lightning saves the CUDA random state"
-    " around its sanity check), as does a tensor put on the GPU. Restart the Python process (the notebook's"
-    " kernel) and make this fit the first use of CUDA, or start the ranks with start_method='popen' (from a"
-    " script) or start_method='spawn' (with the model's class importable)."
+    "This process has already started CUDA, and ranks forked from it cannot use it (torch refuses), not even"
+    " CPU-only ones: on a machine with a GPU every rank's fit touches CUDA (Lightning saves the CUDA random"
+    " state around its sanity check). Any Trainer's fit starts it there, even on the CPU, as does a tensor put"
+    " on the GPU. Restart the Python process (the notebook's kernel) and make this fit the first use of CUDA,"
+    " or start the ranks with start_method='popen' (from a script) or start_method='spawn' (with the model's"
+    " class importable)."
 )
 
 
@@ -138,7 +139,7 @@ class _Processes(_MultiProcessingLauncher):
         # to end with SIGTERM and waits 30 s before it kills them.
         if self._start_method in ("fork", "forkserver"):
             _check_bad_cuda_fork()
-        if self._start_method == "fork" and self._strategy.topology.uses_cuda and torch.cuda.is_initialized():
+        if self._start_method == "fork" and torch.cuda.is_initialized():
             raise RuntimeError(_CUDA_STARTED_BEFORE_FORK)
         if self._start_method == "spawn":
             _check_missing_main_guard()

@@ -5,8 +5,8 @@ process; bf16 on the GPU; the memory the offload saves; checkpoints; NVML stats 
 spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
-machine). The main process never starts CUDA, so the workers can be forked; the reference runs on
-the CPU in float64.
+machine). The reference runs on the CPU in float64, a plain fit that starts CUDA in this process:
+the ranks are spawned (``START_METHOD``), and the fork cases run in processes of their own.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.models import Net, read_metrics, regression_data
 
 pytestmark = [
     pytest.mark.cuda,
-    # device_count asks NVML; is_available would start the CUDA driver here, and a forked rank could not.
+    # device_count asks NVML and starts nothing in this process.
     pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA device"),
 ]
 

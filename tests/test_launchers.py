@@ -313,15 +313,10 @@ def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
     assert done.returncode == 0 and "start method fork" in done.stdout, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize(
-    "refusal",
-    ["Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, ...", "CUDA error: initialization error"],
-)
-def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(
-    monkeypatch: pytest.MonkeyPatch, refusal: str
-) -> None:
-    """CUDA cannot start in a process forked from one that had started it (torch refuses, or CUDA
-    fails): the rank's error says so and what to do. Other CUDA errors pass through as they are."""
+def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch refuses CUDA to a process forked from one that had started it: the rank's error says
+    what that means here and what to do. Other CUDA errors pass through as they are."""
+    refusal = "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, ..."
     from lightning_hetero.accelerator import HeteroAccelerator
 
     def fails(error: str) -> Callable[[torch.device], None]:
@@ -334,9 +329,10 @@ def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(
     with pytest.raises(RuntimeError, match=r"forked .* had already started CUDA.*start_method='popen' or 'spawn'") as error:
         HeteroAccelerator().setup_device(torch.device("cuda", 0))
     assert str(error.value.__cause__) == refusal
-    monkeypatch.setattr(torch.cuda, "set_device", fails("CUDA error: invalid device ordinal"))
-    with pytest.raises(RuntimeError, match="^CUDA error: invalid device ordinal$"):
-        HeteroAccelerator().setup_device(torch.device("cuda", 7))
+    for other in ("CUDA error: invalid device ordinal", "CUDA error: initialization error"):  # not a fork's
+        monkeypatch.setattr(torch.cuda, "set_device", fails(other))
+        with pytest.raises(RuntimeError, match=f"^{other}$"):
+            HeteroAccelerator().setup_device(torch.device("cuda", 7))
     HeteroAccelerator().setup_device(torch.device("cpu"))  # nothing to start
 
 
@@ -344,9 +340,10 @@ def test_a_fork_from_a_process_that_started_cuda_is_refused_before_any_rank_star
     monkeypatch: pytest.MonkeyPatch, no_processes: None, one_gpu: None
 ) -> None:
     """On a GPU machine any earlier fit starts CUDA in the process (Lightning saves the CUDA random
-    state around its sanity check), and torch refuses CUDA to ranks forked after that: the fit says
-    so, and what to do, before it forks."""
+    state around its sanity check), and torch refuses CUDA to ranks forked after that, CPU-only ones
+    too (their sanity check touches CUDA as well): the fit says so, and what to do, before it forks."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    strategy = hetero(stages=["cuda:0"], cpu_fraction=0.5, start_method="fork")
-    with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*start_method='spawn'"):
-        trainer(strategy, max_steps=1).fit(Net(), regression_data())
+    for stages in (["cuda:0"], ["cpu", "cpu"]):
+        strategy = hetero(stages=stages, cpu_fraction=0.5, start_method="fork")
+        with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*start_method='spawn'"):
+            trainer(strategy, max_steps=1).fit(Net(), regression_data())
