@@ -412,8 +412,8 @@ def test_a_pipeline_of_gpu_and_cpu_stages_is_refused_before_any_process_starts(
     no_processes: None, one_gpu: None
 ) -> None:
     """On a machine with a GPU, `stages=["cuda:0", "cpu"]` would put a CPU process in the stages' NCCL
-    group: refused, pointing to a CPU worker. The same stages as replicas (a model without blocks) are
-    not a pipeline, and pass this check."""
+    group: refused, pointing to a CPU worker. The same stages holding replicas
+    (`parallelism="replicas"`) are not a pipeline, and pass this check."""
     strategy = hetero(stages=["cuda:0", "cpu"], cpu_fraction=0.5)
     with pytest.raises(ValueError, match=r"puts GPU and CPU stages in one pipeline.*as a CPU worker \(`cpu_workers`"):
         trainer(strategy, max_steps=1).fit(Net(), regression_data())
