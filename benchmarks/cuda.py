@@ -211,13 +211,35 @@ def rows(smoke: bool = False, **sizes: int) -> list[Row]:
     return out + [Row("CUDA", NO_DEEPSPEED, math.nan)]
 
 
+def profile(out: Path, steps: int = 40) -> None:
+    """The small GPT's steps under torch's profiler (Lightning's ``PyTorchProfiler``), five steps
+    near the end of each run: hetero on the GPU with the CPU worker idle (``cpu_fraction=0``), then
+    the GPU alone. ``out/hetero`` and ``out/gpu`` get each rank's trace (for ui.perfetto.dev) and
+    its table of operators: where the hetero step's time goes beside the GPU alone's."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    from recipes.gpt import GPT
+
+    # Forked, before this process touches CUDA: the profiler's schedule cannot be pickled for spawn.
+    layouts = {"hetero": HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="fork"), "gpu": None}
+    for name, strategy in layouts.items():
+        schedule = torch.profiler.schedule(wait=steps - 8, warmup=2, active=5, repeat=1)
+        profiler = PyTorchProfiler(dirpath=str(out / name), filename=name, export_to_chrome=True, schedule=schedule)
+        run = _run(strategy, GPT(), token_loader(32 * steps, 32), steps, profiler=profiler)
+        print(f"{name}: step {run['step'] * 1e3:.2f} ms; profile in {out / name}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
+    parser.add_argument("--profile", type=Path, help="instead: profile the small GPT's steps, hetero and the GPU alone, into this folder")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(NO_CUDA)
+        return
+    if args.profile is not None:
+        profile(args.profile)
         return
     for r in measure(steps=args.steps, repeats=args.repeats):  # each model's rows as soon as they are measured
         for row in model_rows(r):
