@@ -198,12 +198,14 @@ def threads_for(
 
     Emulated (CPU) stages share the cores evenly with the CPU workers; while the CPU workers have
     no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
-    them alone. With GPU stages, each GPU stage process keeps one core to drive its device and the
-    CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
+    them alone. With GPU stages (or GPU replicas), each of their processes keeps one core to drive
+    its device and the CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
     the stages' (a plan's split of the cores between loading and compute). A CPU worker pinned to
     cores (``topology.cpu_cores``) takes one thread per core it has.
     """
     gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
+    if role.kind == "replica" and topology.stage_devices[role.index].type == "cuda":
+        return 1  # a GPU replica drives its device, as a GPU stage does
     if role.is_stage and stage_threads is not None:
         return stage_threads
     if role.is_stage:

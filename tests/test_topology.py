@@ -50,6 +50,16 @@ def test_threads_share_the_cores(stages: list[str], cpu_workers: int, cpu_share:
     assert threads == expected
 
 
+@pytest.mark.parametrize("cpu_workers, expected", [(0, [1]), (1, [15, 1])])
+def test_a_gpu_replica_keeps_one_core_as_a_gpu_stage_does(cpu_workers: int, expected: list[int]) -> None:
+    """`parallelism="replicas"` on a GPU: without a CPU worker the count was a division by zero (the
+    run failed at setup), and beside one the replica took as many threads as the CPU worker."""
+    topology = Topology(cpu_workers=cpu_workers, stage_devices=(torch.device("cuda", 0),), replicas=True)
+    for cpu_share in (True, False):
+        threads = [threads_for(topology.role(r), topology, 16, cpu_share=cpu_share) for r in range(topology.procs_per_node)]
+        assert threads == expected
+
+
 def test_a_wrong_number_of_processes_says_what_to_change() -> None:
     """Twice the processes per node's count: the Trainer's `num_nodes` was left out; otherwise the
     count per node is wrong."""
