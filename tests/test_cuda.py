@@ -80,6 +80,16 @@ def test_a_gpu_stage_beside_a_cpu_worker_trains_the_model_one_device_trains(
     assert max_param_diff(reference, model) < TOL[precision]
 
 
+@pytest.mark.parametrize("cpu_workers", [1, 0])
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_gpu_replica_trains_the_model_one_device_trains(reference: dict, mode: str, cpu_workers: int) -> None:
+    """The whole model on the GPU (`parallelism="replicas"`), beside a CPU worker with half of every
+    batch, or alone."""
+    strategy = gpu(mode=mode, parallelism="replicas", cpu_workers=cpu_workers, cpu_fraction=0.5 if cpu_workers else 0.0)
+    model = fit(strategy)
+    assert max_param_diff(reference, model) < TOL["64-true"]
+
+
 @pytest.mark.parametrize("offload", ["none", "all", [0]])
 def test_fine_mode_offloads_with_pinned_staging_and_side_streams(reference: dict, offload: Any, tmp_path: Path) -> None:
     strategy = gpu(mode="fine", offload=offload, bucket_size_mb=0.0005)  # several buckets per stage
