@@ -199,18 +199,16 @@ def threads_for(
     Emulated (CPU) stages share the cores evenly with the CPU workers; while the CPU workers have
     no share of the batches (``cpu_share=False``: they compute nothing), the emulated stages share
     them alone. With GPU stages (or GPU replicas), each of their processes keeps one core to drive
-    its device and the CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count, ``stage_threads``
-    the stages' (a plan's split of the cores between loading and compute). A CPU worker pinned to
-    cores (``topology.cpu_cores``) takes one thread per core it has.
+    its device and the CPU workers share the rest. ``cpu_threads`` overrides the CPU workers' count,
+    ``stage_threads`` the emulated stages' (a plan's split of the cores between loading and compute).
+    A CPU worker pinned to cores (``topology.cpu_cores``) takes one thread per core it has.
     """
     gpu_stages = sum(d.type == "cuda" for d in topology.stage_devices)
-    if role.kind == "replica" and topology.stage_devices[role.index].type == "cuda":
-        return 1  # a GPU replica drives its device, as a GPU stage does
-    if role.is_stage and stage_threads is not None:
-        return stage_threads
+    if not role.is_cpu_worker and topology.stage_devices[role.index].type == "cuda":
+        return 1  # a GPU stage or replica drives its device
     if role.is_stage:
-        if topology.stage_devices[role.index].type == "cuda":
-            return 1
+        if stage_threads is not None:
+            return stage_threads
         if cpu_share:
             return max(1, cores // topology.procs_per_node)
         return max(1, (cores - gpu_stages) // (topology.num_stages - gpu_stages))
