@@ -38,7 +38,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import Row
+from benchmarks.common import Row, step_times
 from benchmarks.planner import digits_loader, token_loader
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer
@@ -125,24 +125,15 @@ def with_torchao_offload(model: L.LightningModule) -> L.LightningModule:
 
 
 def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, **kwargs: Any) -> dict[str, Any]:
-    """The mean step time of the second half of a fit, and every rank's facts."""
+    """The mean step time of the second half of a fit (the GPU synchronized at both ends), and every
+    rank's facts."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         if strategy is None:
             torch.cuda.reset_peak_memory_stats()
             kwargs.update(accelerator="gpu", devices=1)
-        else:
-            kwargs["strategy"] = strategy
-        trainer = L.Trainer(
-            max_steps=steps,
-            callbacks=[Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            **kwargs,
-        )
-        trainer.fit(model, loader)
+        callbacks = [Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])]
+        step_times(strategy, model, loader, steps, callbacks=callbacks, **kwargs)
         facts = [json.loads(p.read_text()) for p in sorted(out.glob("facts*.json"))]
     return {"step": facts[0]["step"], "facts": facts}
 
