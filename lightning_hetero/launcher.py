@@ -138,8 +138,8 @@ class _Processes(_MultiProcessingLauncher):
         # Lightning's launch, with `_join` in place of torch's join, which asks the processes left
         # to end with SIGTERM and waits 30 s before it kills them.
         if self._start_method in ("fork", "forkserver"):
-            _check_bad_cuda_fork()  # whether this process is a bad fork; whether its children would be:
-            if self._start_method == "fork" and torch.cuda.is_initialized():
+            _check_bad_cuda_fork()  # Lightning's: whether this process is itself a bad fork
+            if self._start_method == "fork" and torch.cuda.is_initialized():  # whether its children would be
                 raise RuntimeError(_CUDA_STARTED_BEFORE_FORK)
         if self._start_method == "spawn":
             _check_missing_main_guard()
