@@ -2,9 +2,11 @@
 
 ``hetero fit --config configs/mlp.yaml`` runs any recipe whose config names its model and data
 classes (``class_path``); ``python -m recipes.<name> fit --config ...`` runs one recipe, whose
-classes are the defaults. Configs are read with omegaconf, so values that must agree can
-interpolate each other (``${data.init_args.batch_size}``), and every option of the strategy and
-the callbacks can be set in YAML or as a flag (``--trainer.strategy.init_args.cpu_fraction 0.3``).
+classes are the defaults. Configs are read in jsonargparse's ``omegaconf+`` mode, so values that
+must agree can interpolate each other (``${data.init_args.batch_size}``), resolved once the
+configs and the flags are all read: a flag that changes a value changes every value that follows
+it. Every option of the strategy and the callbacks can be set in YAML or as a flag
+(``--trainer.strategy.init_args.cpu_fraction 0.3``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional
 
+import jsonargparse
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +26,9 @@ __all__ = ["HeteroCLI", "main"]
 
 
 class HeteroCLI(LightningCLI):
-    """``LightningCLI`` in subclass mode for the model and the data, reading configs with omegaconf."""
+    """``LightningCLI`` in subclass mode for the model and the data, resolving the configs' omegaconf
+    interpolations after the command line (``omegaconf+``; an interpolation names its value from
+    the config's top, ``${trainer.default_root_dir}``, as in a config read alone)."""
 
     def __init__(
         self,
@@ -34,7 +39,10 @@ class HeteroCLI(LightningCLI):
         **kwargs: Any,
     ) -> None:
         self._default_model, self._default_data = model_class, datamodule_class
-        kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
+        kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf+"})
+        # Under a subcommand a config sits below the parser's top (`fit.trainer...`): its absolute
+        # interpolations are read as relative to it, as omegaconf mode read them.
+        jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(
             L.LightningModule,

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
 import torch
+import yaml
+from PIL import Image
 
 from lightning_hetero.cli import HeteroCLI
 from recipes import gpt
@@ -60,8 +61,7 @@ def quick(config: Path, tmp_path: Path, *extra: str) -> list[str]:
         "--trainer.strategy.init_args.timeout", "60",
         "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--trainer.default_root_dir", str(tmp_path),  # the logger's save_dir follows it
         "--data.init_args.batch_size", "20",
         *extra,
     ]  # fmt: skip
@@ -98,7 +98,8 @@ def test_printed_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("WANDB_SILENT", "true")
     saved = tmp_path / "printed.yaml"
     saved.write_text(printed(["fit", "--config", str(CONFIGS[0])]))
-    main(quick(saved, tmp_path))
+    # A printed config holds values, its interpolations resolved: the logger's directory is its own.
+    main(quick(saved, tmp_path, "--trainer.logger.init_args.save_dir", str(tmp_path)))
     assert list(tmp_path.rglob("*.ckpt"))
 
 
@@ -217,6 +218,17 @@ def test_gpt_print_config_round_trips(config: Path, tmp_path: Path) -> None:
     saved = tmp_path / "printed.yaml"
     saved.write_text(first)
     assert printed(["fit", "--config", str(saved)]) == first
+
+
+def test_a_flag_reaches_the_values_that_interpolate_it(tmp_path: Path) -> None:
+    config = ROOT / "configs" / "gpt.yaml"
+    flags = ["--data.init_args.vocab_size", "8000", "--trainer.default_root_dir", str(tmp_path)]
+    run = yaml.safe_load(printed(["fit", "--config", str(config), *flags]))
+    assert run["model"]["init_args"]["vocab_size"] == run["data"]["init_args"]["vocab_size"] == 8000
+    assert run["trainer"]["logger"]["init_args"]["save_dir"] == str(tmp_path)
+    # A flag for the interpolating value itself wins over the interpolation.
+    run = yaml.safe_load(printed(["fit", "--config", str(config), *flags, "--model.init_args.vocab_size", "9000"]))
+    assert (run["model"]["init_args"]["vocab_size"], run["data"]["init_args"]["vocab_size"]) == (9000, 8000)
 
 
 def test_tokenizer_is_trained_once_and_cached(tmp_path: Path) -> None:
