@@ -30,6 +30,9 @@ import math
 import statistics
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,41 @@ class Facts(L.Callback):
             "step": (end - self._t0) / (trainer.global_step - self.start) if self._t0 is not None else None,
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
+
+
+class SyncProbe(L.Callback):
+    """On a rank that trains on a GPU: every call that made the CPU wait for the GPU during the
+    steps ``first`` to ``last - 1`` (torch's sync debug mode), printed at ``last`` with where it was
+    made and how many times a step. A plain GPU run queues its steps ahead and waits only where
+    asked; each wait in a hetero step is GPU time the next step's Python no longer hides."""
+
+    def __init__(self, name: str, first: int, last: int) -> None:
+        self.name, self.first, self.last = name, first, last
+        self.sites: Counter[str] = Counter()
+        self._saved: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.strategy.root_device.type != "cuda":
+            return
+        if trainer.global_step == self.first and self._saved is None:
+            self._saved = (warnings.showwarning, warnings.filters[:])
+            warnings.simplefilter("always")
+            warnings.showwarning = self._note
+            torch.cuda.set_sync_debug_mode("warn")
+        elif trainer.global_step == self.last and self._saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning, warnings.filters[:] = self._saved
+            steps = self.last - self.first
+            print(f"{self.name}, rank {trainer.global_rank}: waits for the GPU per step, by where they were made", flush=True)
+            for site, count in self.sites.most_common() or [("none", 0)]:
+                print(f"  {count / steps:5.1f}  {site}", flush=True)
+
+    def _note(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchroniz" not in str(message):
+            return self._saved[0](message, category, filename, lineno, *rest)
+        # The innermost frames of the library, Lightning and torch's Python that led to the wait.
+        frames = [f for f in traceback.extract_stack()[:-1] if "benchmarks" not in f.filename and "warnings" not in f.filename]
+        self.sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))] += 1
 
 
 def models(smoke: bool) -> list[tuple[str, Callable[[], L.LightningModule], Callable[[int], DataLoader]]]:
@@ -206,7 +244,8 @@ def profile(out: Path, steps: int = 40) -> None:
     """The small GPT's steps under torch's profiler (Lightning's ``PyTorchProfiler``), five steps
     near the end of each run: hetero on the GPU with the CPU worker idle (``cpu_fraction=0``), then
     the GPU alone. ``out/hetero`` and ``out/gpu`` get each rank's trace (for ui.perfetto.dev) and
-    its table of operators: where the hetero step's time goes beside the GPU alone's."""
+    its table of operators: where the hetero step's time goes beside the GPU alone's. Then each
+    again without the profiler, printing every wait for the GPU in three of its steps (``SyncProbe``)."""
     from lightning.pytorch.profilers import PyTorchProfiler
 
     from recipes.gpt import GPT
@@ -218,6 +257,9 @@ def profile(out: Path, steps: int = 40) -> None:
         profiler = PyTorchProfiler(dirpath=str(out / name), filename=name, export_to_chrome=True, schedule=schedule)
         run = _run(strategy, GPT(), token_loader(32 * steps, 32), steps, profiler=profiler)
         print(f"{name}: step {run['step'] * 1e3:.2f} ms; profile in {out / name}", flush=True)
+    for name, strategy in layouts.items():
+        strategy = HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="spawn") if strategy else None
+        _run(strategy, GPT(), token_loader(32 * steps, 32), steps, callbacks=[SyncProbe(name, steps - 6, steps - 3)])
 
 
 def main() -> None:
