@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hetero import MultimodalModule, PipelineModule
+
+IMPORTED_BY = os.getpid()
+"""The process that imported this module: a rank forked from a forkserver that preloaded it names the server."""
 
 
 class Net(PipelineModule, L.LightningModule):

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -40,6 +41,26 @@ def test_spawned_processes_own_their_parameters(tmp_path: Path, start_method: st
     t.fit(model, regression_data())
     assert_copies_identical(tmp_path)
     assert max_param_diff(plain, model) < (TOL if precision == "64-true" else 1e-5)
+
+
+class ImportedWhere(L.Callback):
+    """Each rank writes whether the models' module was imported before the rank's process began."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from tests import models
+
+        (self.out / f"rank{trainer.global_rank}").write_text("inherited" if models.IMPORTED_BY != os.getpid() else "imported")
+
+
+def test_forkserver_ranks_start_with_the_package_and_the_model_imported(tmp_path: Path) -> None:
+    """The forkserver imports the package and the model's module once, as it starts; every rank it
+    forks has them already (a spawned rank imports them itself, seconds of every start)."""
+    t = trainer(hetero(cpu_fraction=0.5, start_method="forkserver"), max_steps=2, callbacks=[ImportedWhere(tmp_path)])
+    t.fit(Net(), regression_data())
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["inherited"] * 3
 
 
 def clean_env() -> dict[str, str]:
@@ -345,5 +366,5 @@ def test_a_fork_from_a_process_that_started_cuda_is_refused_before_any_rank_star
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     for stages in (["cuda:0"], ["cpu", "cpu"]):
         strategy = hetero(stages=stages, cpu_fraction=0.5, start_method="fork")
-        with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*start_method='spawn'"):
+        with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*'forkserver' or 'spawn'"):
             trainer(strategy, max_steps=1).fit(Net(), regression_data())
