@@ -15,7 +15,7 @@ measured side by side in one run.
 
 Step times come from the wall clock between the middle and the end of the run, with the GPU
 synchronized at both ends (a plain GPU run queues its kernels ahead). Hetero runs start their
-processes with spawn, since this process has used CUDA (the GPU-alone runs). Where there is no
+processes from a forkserver, since this process has used CUDA (the GPU-alone runs). Where there is no
 CUDA device, every row says so.
 
     python -m benchmarks.cuda [--steps N] [--repeats R]
@@ -183,14 +183,14 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str,
         configs: dict[str, Callable[[], Any]] = {
             "gpu": lambda: _run(None, model(), loader(steps), steps),
             "rebalanced": lambda: _run(
-                HeteroStrategy(stages=["cuda:0"], cpu_workers=1, start_method="spawn"),
+                HeteroStrategy(stages=["cuda:0"], cpu_workers=1, start_method="forkserver"),
                 model(),
                 loader(steps),
                 steps,
                 callbacks=[AdaptiveRebalancer(every_n_steps=every)],
             ),
             "offload": lambda: _run(
-                HeteroStrategy(stages=["cuda:0"], cpu_workers=0, mode="fine", offload="all", start_method="spawn"),
+                HeteroStrategy(stages=["cuda:0"], cpu_workers=0, mode="fine", offload="all", start_method="forkserver"),
                 model(),
                 loader(steps),
                 steps,
@@ -250,7 +250,7 @@ def profile(out: Path, steps: int = 40) -> None:
 
     from recipes.gpt import GPT
 
-    # Forked, before this process touches CUDA: the profiler's schedule cannot be pickled for spawn.
+    # Forked, before this process touches CUDA: the profiler's schedule cannot be pickled for a forkserver.
     layouts = {"hetero": HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="fork"), "gpu": None}
     for name, strategy in layouts.items():
         schedule = torch.profiler.schedule(wait=steps - 8, warmup=2, active=5, repeat=1)
@@ -258,7 +258,7 @@ def profile(out: Path, steps: int = 40) -> None:
         run = _run(strategy, GPT(), token_loader(32 * steps, 32), steps, profiler=profiler)
         print(f"{name}: step {run['step'] * 1e3:.2f} ms; profile in {out / name}", flush=True)
     for name, strategy in layouts.items():
-        strategy = HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="spawn") if strategy else None
+        strategy = HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="forkserver") if strategy else None
         _run(strategy, GPT(), token_loader(32 * steps, 32), steps, callbacks=[SyncProbe(name, steps - 6, steps - 3)])
 
 

@@ -6,7 +6,7 @@ spans; a killed GPU rank.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
 machine). The reference runs on the CPU in float64, a plain fit that starts CUDA in this process:
-the ranks are spawned (``START_METHOD``), and the fork cases run in processes of their own.
+the ranks start from a forkserver (``START_METHOD``), and the fork cases run in processes of their own.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ TOL = {"64-true": 1e-10, "32-true": 1e-5}
 another order on the GPU (TF32 is off for matrix products by default)."""
 
 
-START_METHOD = os.environ.get("HETERO_CUDA_TESTS_START_METHOD", "spawn")
-"""How the tests start their ranks: spawn, since the reference's plain fit starts CUDA in this process
-(Lightning saves the CUDA random state around its sanity check), and forked ranks then cannot use it."""
+START_METHOD = os.environ.get("HETERO_CUDA_TESTS_START_METHOD", "forkserver")
+"""How the tests start their ranks: not fork, since the reference's plain fit starts CUDA in this process
+(Lightning saves the CUDA random state around its sanity check), and forked ranks then cannot use it.
+A forkserver is a new interpreter, as spawn's children are, and it imports the package once
+for every rank of every test (spawn: seconds a rank)."""
 
 
 def hetero(**kwargs: Any) -> Any:
