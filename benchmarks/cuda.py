@@ -11,7 +11,11 @@ measured side by side in one run.
   (the optimizer state lives in CPU memory).
 - **torchao's CPUOffloadOptimizer / GPU alone**: the same model under plain Lightning on the GPU,
   its optimizer wrapped in ``torchao.optim.CPUOffloadOptimizer`` (where torchao is installed).
-  DeepSpeed ZeRO-Offload is not run: its CPU Adam is a C++ extension built at first use.
+- **DeepSpeed ZeRO-Offload**: the same model under Lightning's ``DeepSpeedStrategy`` (ZeRO stage 2,
+  ``offload_optimizer=True``: the optimizer's state and step on the CPU, with DeepSpeed's
+  ``DeepSpeedCPUAdam`` in place of the model's Adam or AdamW), where deepspeed is installed. Its CPU
+  Adam is a C++ extension compiled at its first use (a C++ compiler and ninja are needed); where
+  that fails, the row says why.
 
 Step times come from the wall clock between the middle and the end of the run, with the GPU
 synchronized at both ends (a plain GPU run queues its kernels ahead). Hetero runs start their
@@ -52,11 +56,8 @@ NAMES = {
     "rebalanced": "CPU worker + GPU, rebalanced / GPU alone (samples/s)",
     "offload": "fine mode, every bucket offloaded / GPU alone (step time)",
     "torchao": "fine mode, every bucket offloaded / torchao CPUOffloadOptimizer (step time)",
+    "deepspeed": "fine mode, every bucket offloaded / DeepSpeed ZeRO-Offload, stage 2 (step time)",
 }
-NO_DEEPSPEED = (
-    "DeepSpeed ZeRO-Offload: not run; its CPU Adam is a C++ extension compiled at first use, which the"
-    " GPU machine's time does not allow"
-)
 
 
 class Facts(L.Callback):
@@ -162,12 +163,39 @@ def with_torchao_offload(model: L.LightningModule) -> L.LightningModule:
     return model
 
 
+def with_deepspeed_cpu_adam(model: L.LightningModule) -> L.LightningModule:
+    """``model`` with its Adam or AdamW rebuilt as DeepSpeed's ``DeepSpeedCPUAdam`` (same
+    hyperparameters), the optimizer ZeRO-Offload steps on the CPU (DeepSpeed refuses a torch one there)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    own = model.configure_optimizers
+
+    def configure_optimizers() -> Any:
+        optimizer = own()
+        hyper = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=isinstance(optimizer, torch.optim.AdamW), **hyper)
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return model
+
+
+def _deepspeed(model: L.LightningModule, loader: DataLoader, steps: int) -> dict[str, Any]:
+    """ZeRO-Offload's run, in this process (DeepSpeed starts a process group of one, taken down after)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    try:
+        return _run(DeepSpeedStrategy(stage=2, offload_optimizer=True), with_deepspeed_cpu_adam(model), loader, steps)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, **kwargs: Any) -> dict[str, Any]:
     """The mean step time of the second half of a fit (the GPU synchronized at both ends), and every
-    rank's facts."""
+    rank's facts. A strategy other than hetero's trains on the one GPU in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        if strategy is None:
+        if not isinstance(strategy, HeteroStrategy):
             torch.cuda.reset_peak_memory_stats()
             kwargs.update(accelerator="gpu", devices=1)
         callbacks = [Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])]
@@ -198,11 +226,22 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str,
         }
         if importlib.util.find_spec("torchao") is not None:
             configs["torchao"] = lambda: _run(None, with_torchao_offload(model()), loader(steps), steps)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        if importlib.util.find_spec("deepspeed") is not None:
+            configs["deepspeed"] = lambda: _deepspeed(model(), loader(steps), steps)
+        runs: dict[str, list[Any]] = {name: [] for name in configs}
         for _ in range(repeats):
             for config, run in configs.items():
-                runs[config].append(run())
+                if config in PEERS:  # a peer that fails says why in its row; the others go on
+                    try:
+                        runs[config].append(run())
+                    except Exception as error:
+                        runs[config].append(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
+                else:
+                    runs[config].append(run())
         yield {"model": name, **runs}
+
+
+PEERS = ("torchao", "deepspeed")
 
 
 def _peak(runs: list[dict[str, Any]]) -> float:
@@ -211,8 +250,11 @@ def _peak(runs: list[dict[str, Any]]) -> float:
 
 
 def model_rows(r: dict[str, Any]) -> list[Row]:
-    """The rows of one model's measurements."""
-    step = {config: statistics.median(run["step"] for run in runs) for config, runs in r.items() if config != "model"}
+    """The rows of one model's measurements (a peer that failed: its error, in place of its numbers)."""
+    failed = {config: next(run for run in runs if isinstance(run, str)) for config, runs in r.items()
+              if config in PEERS and any(isinstance(run, str) for run in runs)}  # fmt: skip
+    step = {config: statistics.median(run["step"] for run in runs) for config, runs in r.items()
+            if config != "model" and config not in failed}  # fmt: skip
     fractions = [run["facts"][0]["fraction"] for run in r["rebalanced"]]
     threads = r["rebalanced"][0]["facts"][0]["threads"]
     out = [
@@ -224,11 +266,16 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
             f"step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
             f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB"),
     ]
-    if "torchao" in step:
-        out.append(
-            Row("CUDA", f"{r['model']}: {NAMES['torchao']}", step["offload"] / step["torchao"], "",
-                f"torchao step {step['torchao'] * 1e3:.2f} ms, peak GPU memory {_peak(r['torchao']):.0f} MB")
-        )
+    for peer, label in (("torchao", "torchao"), ("deepspeed", "DeepSpeed")):
+        if peer in step:
+            out.append(
+                Row("CUDA", f"{r['model']}: {NAMES[peer]}", step["offload"] / step[peer], "",
+                    f"{label} step {step[peer] * 1e3:.2f} ms, peak GPU memory {_peak(r[peer]):.0f} MB")
+            )  # fmt: skip
+        elif peer in failed:
+            out.append(Row("CUDA", f"{r['model']}: {NAMES[peer]}", math.nan, "", f"not run: {failed[peer]}"))
+        else:
+            out.append(Row("CUDA", f"{r['model']}: {NAMES[peer]}", math.nan, "", f"not run: {peer} is not installed"))
     return out
 
 
@@ -236,8 +283,7 @@ def rows(smoke: bool = False, **sizes: int) -> list[Row]:
     if not torch.cuda.is_available():
         return [Row("CUDA", name, math.nan, "", NO_CUDA) for name in NAMES.values()]
     sizes = dict(steps=12, repeats=1) if smoke else {**DEFAULTS, **sizes}
-    out = [row for r in measure(**sizes, smoke=smoke) for row in model_rows(r)]
-    return out + [Row("CUDA", NO_DEEPSPEED, math.nan)]
+    return [row for r in measure(**sizes, smoke=smoke) for row in model_rows(r)]
 
 
 def profile(out: Path, steps: int = 40) -> None:
@@ -277,7 +323,6 @@ def main() -> None:
     for r in measure(steps=args.steps, repeats=args.repeats):  # each model's rows as soon as they are measured
         for row in model_rows(r):
             print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
-    print(NO_DEEPSPEED)
 
 
 if __name__ == "__main__":
