@@ -32,9 +32,9 @@ BENCHMARKS = [
     "multimodal",
     "sharding",
     "cuda",
+    "largest",
 ]
 NOT_WRITTEN = [
-    "largest model that fits, with / without offload (parameters)",
     "the analyzer's predicted / measured step time with a GPU stage",
 ]
 
