@@ -34,9 +34,6 @@ BENCHMARKS = [
     "cuda",
     "largest",
 ]
-NOT_WRITTEN = [
-    "the analyzer's predicted / measured step time with a GPU stage",
-]
 
 
 def table(rows: list[Row]) -> str:
@@ -74,8 +71,6 @@ def main() -> None:
         rows += receive.recv()
         process.join()
         print(f"done: {name} ({time.perf_counter() - start:.0f} s)", flush=True)
-    # Not yet written: they need a CUDA machine to be written and checked on.
-    rows += [Row("CUDA", name, math.nan, "", "not written yet") for name in NOT_WRITTEN]
     text = f"{machine()}{' (smoke sizes)' if args.smoke else ''}\n\n{table(rows)}"
     print("\n" + text)
     if args.out is not None:

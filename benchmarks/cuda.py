@@ -279,11 +279,35 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
     return out
 
 
+ANALYZER = "the analyzer's predicted / measured step time with a GPU stage"
+
+
+def analyzer_row(steps: int = 60, smoke: bool = False) -> Row:
+    """The workload analyzer on the small GPT with a GPU stage beside a CPU worker: the step it
+    predicts for its plan (after its warm-up) against the step it then measures."""
+    from benchmarks.planner import AnalyzerReport
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+    from recipes.gpt import GPT
+
+    warmup = 4 if smoke else 10
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        analyzer = WorkloadAnalyzer(warmup_steps=warmup, measure_steps=(steps - warmup) // 2, save_dir=tmp)
+        # A fixed fraction (the analyzer plans it): `cpu_fraction="auto"` would rebalance away from the plan.
+        strategy = HeteroStrategy(stages=["cuda:0"], cpu_workers=1, cpu_fraction=0.0, start_method="forkserver")
+        model = GPT(width=32, heads=2, layers=2) if smoke else GPT()
+        _run(strategy, model, token_loader(32 * steps, 32), steps, callbacks=[analyzer, AnalyzerReport(out)])
+        report = json.loads(out.read_text())
+    return Row("CUDA", ANALYZER, report["predicted"] / report["measured"], "",
+               f"GPT recipe (small), batch 32: predicted {report['predicted'] * 1e3:.2f} ms (before training:"
+               f" {report['planned'] * 1e3:.2f}), measured {report['measured'] * 1e3:.2f} ms; plan {report['plan']}")  # fmt: skip
+
+
 def rows(smoke: bool = False, **sizes: int) -> list[Row]:
     if not torch.cuda.is_available():
-        return [Row("CUDA", name, math.nan, "", NO_CUDA) for name in NAMES.values()]
+        return [Row("CUDA", name, math.nan, "", NO_CUDA) for name in [*NAMES.values(), ANALYZER]]
     sizes = dict(steps=12, repeats=1) if smoke else {**DEFAULTS, **sizes}
-    return [row for r in measure(**sizes, smoke=smoke) for row in model_rows(r)]
+    return [row for r in measure(**sizes, smoke=smoke) for row in model_rows(r)] + [analyzer_row(smoke=smoke)]
 
 
 def profile(out: Path, steps: int = 40) -> None:
@@ -323,6 +347,8 @@ def main() -> None:
     for r in measure(steps=args.steps, repeats=args.repeats):  # each model's rows as soon as they are measured
         for row in model_rows(r):
             print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
+    row = analyzer_row()
+    print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
 
 
 if __name__ == "__main__":
