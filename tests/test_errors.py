@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
@@ -319,6 +319,10 @@ CASES = {
     "weight-averaging-of-a-pipeline": Bad(
         lambda _: fit(callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]),
         "`StochasticWeightAveraging` averages every parameter of the model on every rank, but in a pipeline",
+    ),
+    "ema-of-a-pipeline": Bad(
+        lambda _: fit(callbacks=[EMAWeightAveraging()]),
+        "`EMAWeightAveraging` averages every parameter of the model on every rank, but in a pipeline",
     ),
     "several-nodes-without-a-launch": Bad(
         lambda _: fit(num_nodes=2), "`num_nodes=2` needs this script started on every node: under torchrun or srun"
