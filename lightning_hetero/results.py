@@ -89,6 +89,16 @@ class WorkerReport:
     (``signals.py``), for every rank to act on."""
 
 
+def _refuse_all_gather(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        "`self.all_gather` in a step method: under the hetero strategy a step method runs on one worker's share of"
+        " the batch, and not in every process (a pipeline's stages before the last never run it, and a CPU worker"
+        " only while it has a share), so a collective there would wait for processes that never reach it. What"
+        " `self.log(...)` and torchmetrics metrics record in step methods is combined over the workers, as for the"
+        " whole batch in one process; gather anything else in an epoch-end hook, which every process runs."
+    )
+
+
 class LogCapture:
     """While active, ``module.log`` (and so ``log_dict``) records its calls instead of logging them.
 
@@ -106,10 +116,12 @@ class LogCapture:
 
     def __enter__(self) -> LogCapture:
         self.module.log = self._capture  # type: ignore[method-assign]
+        self.module.all_gather = _refuse_all_gather  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         del self.module.log
+        del self.module.all_gather
 
     def _capture(self, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)

@@ -82,6 +82,15 @@ class IterStep(Net):
         return super().training_step(next(dataloader_iter), 0)
 
 
+class GathersInStep(Net):
+    """The DDP idiom of gathering a value across processes inside `training_step`."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.all_gather(loss.detach())
+        return loss
+
+
 class ExtraLoss(Net):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -303,6 +312,11 @@ CASES = {
         "float16 mixed precision needs a loss scale agreed between all workers",
     ),
     "manual-optimization": Bad(lambda _: fit(Variant("manual")), "uses manual optimization"),
+    "all-gather-in-a-step-method": Bad(
+        lambda _: fit(GathersInStep(), hetero(cpu_fraction=0.5, timeout=60)),
+        "`self.all_gather` in a step method: under the hetero strategy a step method runs on one worker's share",
+        in_run=True,
+    ),
     "dataloader-iter-step": Bad(lambda _: fit(IterStep()), "`IterStep.training_step` must take `(batch, batch_idx)`"),
     # DataLoaders passed to `fit`: a first batch is read in the main process.
     "batches-not-pairs": Bad(
