@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from lightning_hetero.data import loader_batch_size
 from lightning_hetero.devices import device_stats
 from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, nonfinite_error, nonfinite_parts
-from lightning_hetero.module import buffer_versions
+from lightning_hetero.module import buffer_versions, parameter_versions
 from lightning_hetero.record import Recorder, StepClock, span
 from lightning_hetero.results import LoggedValue, WorkerReport, combine_logs, combine_loss, merge_outputs
 from lightning_hetero.shares import Shares
@@ -207,6 +207,8 @@ class StepEngine:
         zero_grad, state.zeroes = first and not own_zero_grad, first and own_zero_grad
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
         buffers = buffer_versions(worker.module) if not self._buffers_checked else None
+        # Fine mode steps its buckets during the backward, which writes the parameters in place.
+        params = parameter_versions(worker.module) if buffers is not None and not self.sync.overlaps else None
         try:
             worker.saw_batch("training_step", shares.batch_size, 0, loader_batch_size(trainer, "training_step"))
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
@@ -216,6 +218,8 @@ class StepEngine:
         if buffers is not None:
             self._buffers_checked = True
             _warn_of_changed_buffers(worker.module, buffers)
+        if params is not None:
+            _warn_of_changed_parameters(worker.module, params)
         report.nonfinite = nonfinite_parts(report.loss, worker.fresh_grads)
         skipped = False
         if state.syncs:
@@ -369,6 +373,24 @@ def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]])
             " one process's and between workers; the strategy keeps only BatchNorm's statistics equal. Update them"
             " outside the training step (e.g. in `on_train_batch_end`, from values logged or returned), or keep"
             " them out of training.",
+            stacklevel=2,
+        )
+
+
+def _warn_of_changed_parameters(module: Any, before: Mapping[str, tuple[int, int]]) -> None:
+    """Once, after this process's first training step: parameters the forward or backward wrote in
+    place (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) hold what this worker
+    saw of the batch, so the workers' copies of them part ways, and from one process's."""
+    after = parameter_versions(module)
+    changed = [name for name, version in before.items() if after.get(name, version) != version]
+    if changed:
+        warnings.warn(
+            f"`{type(module).__name__}`'s training step wrote its parameter(s) {changed[:5]}"
+            f"{' ...' if len(changed) > 5 else ''} in place (as `nn.Embedding(max_norm=...)` renormalizes the rows"
+            " a batch looks up). Each worker computes its own share of every batch, so a write that depends on the"
+            " samples differs between the workers, whose copies of the parameter then part ways for the rest of the"
+            " run (only the optimizer's steps keep them equal). Leave the write out (`max_norm=None`), or make it"
+            " outside the training step, the same on every worker (e.g. in `on_train_batch_end`).",
             stacklevel=2,
         )
 

@@ -43,6 +43,7 @@ __all__ = [
     "layer_names",
     "tied_parameters",
     "buffer_versions",
+    "parameter_versions",
 ]
 
 
@@ -162,6 +163,12 @@ def buffer_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
             if buffer is not None and not buffer.is_meta:
                 versions[f"{path}.{name}" if path else name] = (id(buffer), buffer._version)
     return versions
+
+
+def parameter_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each parameter's identity and version (which a write in place bumps), by name, those of other
+    ranks' layers (meta) left out."""
+    return {name: (id(p), p._version) for name, p in model.named_parameters() if not p.is_meta}
 
 
 def check_replica_contract(model: nn.Module) -> list[nn.Module]:

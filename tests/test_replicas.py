@@ -219,6 +219,42 @@ def test_a_buffer_the_training_step_writes_is_named_in_a_warning(tmp_path: Path)
     assert not any("changed its buffer" in w for w in warned(TwoPass(), tmp_path / "none"))
 
 
+class RenormsItsWeight(nn.Module):
+    """Scales its input by a weight it renormalizes in place from the batch it sees, as
+    `nn.Embedding(max_norm=...)` does to the rows it looks up."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.weight.div_(1 + x.detach().abs().mean())
+        return x * self.weight.clone()  # the step may run the module again, writing the weight once more
+
+
+def test_a_parameter_the_training_step_writes_in_place_is_named_in_a_warning(tmp_path: Path) -> None:
+    """Each worker writes it from its own share, so the copies part ways: said once, on every rank;
+    not where the optimizer's own steps write the parameters during the backward (fine mode)."""
+
+    class WithRenorm(TwoPass):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net.insert(1, RenormsItsWeight(16))
+
+    def warned(model: L.LightningModule, out: Path, **kwargs: Any) -> list[str]:
+        out.mkdir()
+        strategy = hetero(cpu_fraction=0.5, **kwargs)
+        trainer(strategy, max_steps=2, callbacks=[RecordWarnings(out)]).fit(model, regression_data())
+        return [path.read_text() for path in sorted(out.glob("warnings*.txt"))]
+
+    written = warned(WithRenorm(), tmp_path / "renorm")
+    assert len(written) == 3 and all("training step wrote its parameter(s) ['net.1.weight'] in place" in w for w in written)
+    assert not any("wrote its parameter" in w for w in warned(TwoPass(), tmp_path / "none"))
+    assert not any("wrote its parameter" in w for w in warned(TwoPass(), tmp_path / "fine", mode="fine"))
+
+
 class TwoLoaders(TwoPass):
     """Trains on a batch of each of two training dataloaders every step."""
 
