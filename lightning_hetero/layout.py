@@ -25,7 +25,7 @@ from lightning_hetero.loading import LoaderPolicy, set_workers
 from lightning_hetero.module import offers_blocks
 from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
-from lightning_hetero.shares import Shares, split_batch
+from lightning_hetero.shares import Shares, no_single_samples, split_batch
 from lightning_hetero.topology import ProcessGroups, Role, Topology, pin_to, threads_for, usable_cores
 from lightning_hetero.workers import check_emulated_speed
 
@@ -165,7 +165,11 @@ class RunLayout:
 
     def shares(self, batch_size: int) -> Shares:
         """How a batch of ``batch_size`` samples is divided this step."""
-        return split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self.micro_batches)
+        shares = split_batch(batch_size, self.cpu_fraction, self._plan.cpu_workers, self.micro_batches)
+        norm = self._engine.worker.norm if self._engine is not None else None
+        if norm is not None and not norm.whole:  # replicas with per-share BatchNorm statistics
+            shares = no_single_samples(shares, norm.devices, self.micro_batches)
+        return shares
 
     @property
     def emulated_speed(self) -> dict[str, float]:

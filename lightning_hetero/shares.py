@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-__all__ = ["Shares", "split_batch", "batch_size_of", "slice_batch", "largest_divisor_at_most"]
+__all__ = ["Shares", "split_batch", "no_single_samples", "batch_size_of", "slice_batch", "largest_divisor_at_most"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,33 @@ def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_ba
         ranges.append((start, start + size))
         start += size
     return Shares(batch_size, tuple(ranges), (cpu_total, batch_size), steps)
+
+
+def no_single_samples(shares: Shares, devices: int, micro_batches: int = 1) -> Shares:
+    """``shares`` of replicas moved to the nearest split (the fewest samples moved between the CPU
+    workers and the ``devices``) in which no replica's share is a single sample, which per-share
+    BatchNorm cannot normalize (``batchnorm.py``; one process normalizes the whole batch, so a
+    small last batch must not fail for being split). Unchanged where no share is one sample, or
+    where every split leaves one (a batch of one sample, as in one process)."""
+    cpus, size = len(shares.cpu), shares.batch_size
+
+    def fits(cpu_total: int) -> bool:
+        devices_total = size - cpu_total
+        return (cpu_total == 0 or cpu_total // cpus >= 2) and (devices_total == 0 or devices_total // devices >= 2)
+
+    now = shares.pipeline[0]
+    if fits(now):
+        return shares
+    candidates = sorted(range(size + 1 if cpus else 1), key=lambda total: (abs(total - now), total))
+    best = next((total for total in candidates if fits(total)), None)
+    if best is None:
+        return shares
+    ranges, start = [], 0
+    for index in range(cpus):
+        part = best // cpus + (1 if index < best % cpus else 0)
+        ranges.append((start, start + part))
+        start += part
+    return Shares(size, tuple(ranges), (best, size), largest_divisor_at_most(size - best, micro_batches) if best < size else 0)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_hetero.batchnorm import StatsGroup, WholeBatchNorm, average_running_stats, convert, revert
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
-from tests.models import TinyResNet, image_data
+from tests.models import BatchNormNet, TinyResNet, image_data, regression_data
 from tests.test_replicas import assert_same_run
 
 TOL = 1e-10
@@ -151,6 +151,19 @@ def test_per_share_statistics_keep_the_replicas_equal(tmp_path: Path) -> None:
     # The variance leaves out the spread between the shares' means: close, not equal.
     assert not torch.allclose(model.state_dict()[f"{first}.running_var"], plain.state_dict()[f"{first}.running_var"], atol=1e-12)
     assert int(model.state_dict()[f"{first}.num_batches_tracked"]) == 1
+
+
+def test_per_share_statistics_never_normalize_a_lone_sample(tmp_path: Path) -> None:
+    """BatchNorm1d cannot normalize one sample by its own statistics (torch refuses it in training),
+    and one process normalizes the whole batch: a last batch of 2 split half and half, or a batch
+    of 4 over a CPU worker and two devices, is split without single-sample shares instead. The
+    replicas stay equal."""
+    for stages, samples, batch_size in ((["cpu"], 26, 8), (["cpu", "cpu"], 8, 4)):
+        copies = tmp_path / f"copies{len(stages)}"
+        copies.mkdir()
+        strategy = hetero(stages=stages, cpu_fraction=0.5, parallelism="replicas")
+        trainer(strategy, max_epochs=1, callbacks=[RecordCopies(copies)]).fit(BatchNormNet(), regression_data(samples, batch_size))
+        assert_copies_identical(copies)
 
 
 def test_a_resnet_resumes_exactly_with_whole_batch_statistics(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from lightning_hetero.shares import batch_size_of, slice_batch, split_batch
+from lightning_hetero.shares import batch_size_of, no_single_samples, slice_batch, split_batch
 
 
 @pytest.mark.parametrize("batch_size", range(1, 40))
@@ -159,3 +159,21 @@ def test_a_tokenizers_batch_encoding_keeps_its_type() -> None:
 def test_a_batch_whose_samples_cannot_be_told_apart_is_an_error(batch: object, error: str) -> None:
     with pytest.raises((TypeError, ValueError), match=re.escape(error)):
         batch_size_of(batch)
+
+
+@pytest.mark.parametrize(
+    "batch_size,fraction,cpu_workers,devices,cpu,pipeline",
+    [
+        (2, 0.5, 1, 1, ((0, 0),), (0, 2)),  # 1 + 1: the devices take both
+        (4, 0.5, 1, 2, ((0, 0),), (0, 4)),  # 2 + (1, 1)
+        (3, 0.5, 1, 1, ((0, 0),), (0, 3)),
+        (5, 0.5, 2, 1, ((0, 0), (0, 0)), (0, 5)),  # (1, 1) + 3
+        (8, 0.3, 1, 1, ((0, 2),), (2, 8)),  # no share of one: unchanged
+        (1, 0.5, 1, 1, ((0, 0),), (0, 1)),  # a batch of one stays one, as in one process
+    ],
+)
+def test_replicas_with_per_share_batch_norm_get_no_single_sample_share(
+    batch_size: int, fraction: float, cpu_workers: int, devices: int, cpu: tuple, pipeline: tuple
+) -> None:
+    shares = no_single_samples(split_batch(batch_size, fraction, cpu_workers, 1), devices)
+    assert (shares.cpu, shares.pipeline) == (cpu, pipeline)
