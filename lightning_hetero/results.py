@@ -364,26 +364,57 @@ def relog(module: LightningModule, values: list[LoggedValue], device: torch.devi
             module.log(item.name, value, batch_size=weight, **options)
 
 
-def merge_outputs(parts: list[tuple[int, Any]]) -> Any:
-    """Join the outputs of workers' shares, given as ``(samples, output)`` in batch order.
+def merge_outputs(parts: list[tuple[int, Any]], path: str = "the output") -> Any:
+    """Join the outputs of workers' shares, given as ``(samples, output)`` in batch order, into what
+    one process would have returned for the whole batch.
 
-    Tensors are concatenated along the batch dimension; a list with one entry per sample is
-    extended; tuples, dicts and other lists are merged element by element.
+    A tensor with one row per sample (its first dimension the share's samples) is concatenated
+    along it; a list or tuple of such tensors (``[logits, probs]``) or a dict is joined entry by
+    entry; any other list or tuple with one entry per sample (strings, per-sample sequences) is
+    extended. A value that is not per sample (a number, a 0-dim tensor, a tensor of another first
+    dimension) is kept where every share gave the same (``batch_idx``); otherwise the shares'
+    values cannot make the batch's (a share's mean is not the batch's), and that is an error.
     """
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0][1]
-    first = parts[0][1]
-    if isinstance(first, Tensor):
-        return torch.cat([output for _, output in parts])
-    if isinstance(first, Mapping):
-        return type(first)({k: merge_outputs([(n, out[k]) for n, out in parts]) for k in first})
-    if isinstance(first, list) and all(len(out) == n for n, out in parts):
-        return [item for _, out in parts for item in out]
-    if isinstance(first, (list, tuple)):
-        return type(first)(merge_outputs([(n, out[i]) for n, out in parts]) for i in range(len(first)))
-    return [output for _, output in parts]
+    outputs = [out for _, out in parts]
+    first = outputs[0]
+    if isinstance(first, Tensor) and all(isinstance(o, Tensor) and o.dim() > 0 and len(o) == n for n, o in parts):
+        return torch.cat(outputs)
+    if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
+        return type(first)({k: merge_outputs([(n, out[k]) for n, out in parts], f"{path}[{k!r}]") for k in first})
+    if isinstance(first, (list, tuple)) and all(isinstance(o, (list, tuple)) for o in outputs):
+        batched = all(isinstance(o, Tensor) and o.dim() > 0 and len(o) == n for n, out in parts for o in out)
+        if not batched and all(len(out) == n for n, out in parts):
+            return type(first)(item for out in outputs for item in out)
+        if all(len(out) == len(first) for out in outputs):
+            return type(first)(merge_outputs([(n, out[i]) for n, out in parts], f"{path}[{i}]") for i in range(len(first)))
+    if all(_same(first, out) for out in outputs[1:]):
+        return first
+    raise ValueError(
+        f"`predict_step` returned {path} as {_describe(first)}, not one row per sample, and the workers' shares of"
+        " the batch gave different values, so no value of the whole batch can be made of them (as a share's mean"
+        " is not the batch's): under the hetero strategy each worker predicts its share of every batch, and the"
+        " shares' outputs are joined sample by sample. Return per-sample values (tensors or lists whose first"
+        " dimension is the batch's) and reduce them after `trainer.predict`."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"the {type(value).__name__} {repr(value)[:40]}"
 
 
 def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:

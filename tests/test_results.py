@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +14,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule
 
-from lightning_hetero.results import LogCapture, LoggedValue, ReportExchange, WorkerReport, combine_logs, combine_loss
+from lightning_hetero.results import (
+    LogCapture,
+    LoggedValue,
+    ReportExchange,
+    WorkerReport,
+    combine_logs,
+    combine_loss,
+    merge_outputs,
+)
 
 
 def report(samples: int, loss: float | None, **logs: tuple) -> WorkerReport:
@@ -156,3 +165,33 @@ def test_metrics_sync_whatever_dtype_each_rank_holds(tmp_path: Path) -> None:
     updates made them int64 (targets) and float64: every rank still computes the same value."""
     mp.start_processes(_sync_metrics, args=(2, tmp_path), nprocs=2, start_method="fork")
     assert [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)] == [(1.0, 2.5)] * 2
+
+
+def test_predictions_of_the_shares_join_into_the_batchs() -> None:
+    """What `predict_step` returns for each share, joined as one process returns it for the batch."""
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    whole = torch.cat([a, b])
+    assert torch.equal(merge_outputs([(2, a), (2, b)]), whole)
+    # A list of batched tensors whose length happens to be the share's: joined entry by entry.
+    joined = merge_outputs([(2, [a, a.softmax(1)]), (2, [b, b.softmax(1)])])
+    assert len(joined) == 2 and torch.equal(joined[0], whole) and torch.equal(joined[1], whole.softmax(1))
+    # Per-sample lists (strings, sequences of their own lengths) are extended.
+    assert merge_outputs([(2, ["a", "b"]), (1, ["c"])]) == ["a", "b", "c"]
+    seqs = merge_outputs([(2, [torch.ones(5), torch.ones(7)]), (1, [torch.ones(3)])])
+    assert [len(t) for t in seqs] == [5, 7, 3]
+    # The same value from every share (the batch index) is kept as it is.
+    out = merge_outputs([(2, {"out": a, "batch_idx": 0}), (2, {"out": b, "batch_idx": 0})])
+    assert out["batch_idx"] == 0 and torch.equal(out["out"], whole)
+
+
+@pytest.mark.parametrize(
+    "shares,shown",
+    [
+        ([(2, torch.tensor(1.0)), (2, torch.tensor(2.0))], "the output as a tensor of shape ()"),  # a share's mean
+        ([(2, torch.randn(3)), (2, torch.randn(3))], "the output as a tensor of shape (3,)"),  # a sum over samples
+        ([(2, {"n": 2}), (1, {"n": 1})], "the output['n'] as the int 2"),
+    ],
+)
+def test_a_prediction_that_is_not_per_sample_and_differs_between_shares_is_an_error(shares: list, shown: str) -> None:
+    with pytest.raises(ValueError, match=rf"`predict_step` returned {re.escape(shown)}, not one row per sample"):
+        merge_outputs(shares)
