@@ -595,6 +595,7 @@ class StageWorker(Worker):
         self.pipeline = pipeline
         self.norm_slot = index
         self.device = pipeline.device
+        self._example_input: Any = None
 
     @classmethod
     def place(
@@ -634,6 +635,17 @@ class StageWorker(Worker):
         held = {i for s in self.pipeline.stage_indices for i in range(*self.placement.bounds[s])}
         others = [layer for i, layer in enumerate(self.placement.layers) if i not in held]
         drop_to_meta(others, keep=self.params)
+        # Lightning's model summary runs `example_input_array` through the whole model on every rank,
+        # which the meta layers here cannot compute: hidden until the model is whole again (rank 0,
+        # which prints the summary, holds the whole model).
+        if getattr(self.module, "_example_input_array", None) is not None:
+            self._example_input, self.module._example_input_array = self.module._example_input_array, None
+
+    @override
+    def on_teardown(self, group: dist.ProcessGroup, finished: bool) -> None:
+        super().on_teardown(group, finished)
+        if self._example_input is not None:
+            self.module._example_input_array, self._example_input = self._example_input, None
 
     @override
     def expected_grads(self, shares: Shares) -> int:

@@ -97,3 +97,20 @@ def test_gradients_the_optimizer_does_not_hold_may_stay() -> None:
     trainer(None, max_steps=4).fit(plain, regression_data())
     trainer(hetero(cpu_fraction=0.4), max_steps=4).fit(model, regression_data())
     assert max_param_diff(plain, model) < TOL
+
+
+class WithExampleInput(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 6, dtype=torch.float64)
+
+
+def test_the_model_summary_runs_the_example_input_on_every_rank_of_a_pipeline() -> None:
+    """Lightning's summary (on by default) feeds `example_input_array` through the whole model on every
+    rank: a stage, whose other stages' layers are on the meta device, lets it leave the input out.
+    The model trains as one process's, and keeps its example input."""
+    plain, model = WithExampleInput(), WithExampleInput()
+    trainer(None, max_steps=3, enable_model_summary=True).fit(plain, regression_data())
+    trainer(hetero(cpu_fraction=0.5), max_steps=3, enable_model_summary=True).fit(model, regression_data())
+    assert max_param_diff(plain, model) < 1e-10
+    assert model.example_input_array is not None
