@@ -44,6 +44,7 @@ __all__ = [
     "tied_parameters",
     "buffer_versions",
     "parameter_versions",
+    "check_copies_agree",
 ]
 
 
@@ -169,6 +170,42 @@ def parameter_versions(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Each parameter's identity and version (which a write in place bumps), by name, those of other
     ranks' layers (meta) left out."""
     return {name: (id(p), p._version) for name, p in model.named_parameters() if not p.is_meta}
+
+
+def check_copies_agree(model: nn.Module, group: Any) -> None:
+    """Every process's copy of every parameter it holds is the same, as the strategy made them (a
+    collective over ``group``, every rank; at the first training batch). Compared by each
+    parameter's sum of squares in float64, to rounding (a GPU sums in another order): a hook that
+    changes parameters differently on different processes (a random re-initialization in
+    ``on_train_start``, which draws from each process's own random stream, and which a pipeline
+    stage makes only for the layers it holds) would leave copies that never meet again, since
+    every step adds the same summed gradient to each."""
+    import torch.distributed as dist
+
+    params = list(model.named_parameters())
+    held = [p.detach().double().square().sum() for _, p in params if not p.is_meta]
+    sums = torch.full((len(params),), float("nan"), dtype=torch.float64)
+    if held:
+        sums[torch.tensor([not p.is_meta for _, p in params])] = torch.stack([h.cpu() for h in held])
+    every = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, sums, group=group)
+    table = torch.stack(every)  # ranks x parameters
+    low, high = table.nan_to_num(nan=float("inf")).min(0).values, table.nan_to_num(nan=float("-inf")).max(0).values
+    apart = [
+        name
+        for (name, _), lo, hi, seen in zip(params, low.tolist(), high.tolist(), (~table.isnan()).sum(0).tolist())
+        if seen > 1 and hi - lo > 1e-6 * max(abs(hi), abs(lo)) + 1e-12
+    ]
+    if apart:
+        raise RuntimeError(
+            f"The processes' copies of the parameter(s) {apart[:5]}{' ...' if len(apart) > 5 else ''} differ at the"
+            " first training batch, where the strategy started them equal: a hook before it (`on_fit_start`,"
+            " `on_train_start`, `on_train_epoch_start`, `on_train_batch_start`, or a callback's) changed them"
+            " differently on different processes, such as a random re-initialization, which draws from each"
+            " process's own random stream (and on a pipeline stage only for the layers it holds). The copies would"
+            " never meet again. Initialize parameters in `__init__`, `setup` or `configure_model`, which every"
+            " process runs alike on the whole model."
+        )
 
 
 def check_replica_contract(model: nn.Module) -> list[nn.Module]:

@@ -54,7 +54,7 @@ from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
 from lightning_hetero.layout import Planner, RunLayout
 from lightning_hetero.loading import LoaderPolicy, check_loader_policy, tunable
-from lightning_hetero.module import check_optimizers
+from lightning_hetero.module import check_copies_agree, check_optimizers
 from lightning_hetero.offload import BucketStep
 from lightning_hetero.pipeline import ScheduleArg
 from lightning_hetero.placing import build_sync, place_rank
@@ -173,6 +173,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._num_nodes = 1
         self._groups: Optional[ProcessGroups] = None
         self._engine: Optional[StepEngine] = None
+        self._copies_checked = True
         self._planner: Optional[Planner] = None
 
     @property
@@ -319,6 +320,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
         sync_metrics_over(module, self._groups.control)
+        self._copies_checked = False
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             check_optimizers(module, self.optimizers, self.mode)
@@ -377,6 +379,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not self._copies_checked:  # after the hooks that run before training's first batch
+            assert self._groups is not None and self.lightning_module is not None
+            check_copies_agree(self.lightning_module, self._groups.control)
+            self._copies_checked = True
         self._running.on_batch_start()
 
     @override

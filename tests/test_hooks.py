@@ -3,6 +3,7 @@ those it cannot follow are refused clearly."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -114,3 +115,46 @@ def test_the_model_summary_runs_the_example_input_on_every_rank_of_a_pipeline() 
     trainer(hetero(cpu_fraction=0.5), max_steps=3, enable_model_summary=True).fit(model, regression_data())
     assert max_param_diff(plain, model) < 1e-10
     assert model.example_input_array is not None
+
+
+class ReinitializesOnTrainStart(Net):
+    """Draws new weights when training starts: each process from its own random stream, and a
+    pipeline stage only for the layers it holds."""
+
+    def on_train_start(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer, torch.nn.Linear):
+                torch.nn.init.normal_(layer.weight, std=0.5)
+
+
+class ReinitializesInSetup(ReinitializesOnTrainStart):
+    """The same draws in `setup`, which every process runs alike on the whole model."""
+
+    def setup(self, stage: str) -> None:
+        self.on_train_start()
+
+    def on_train_start(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_parameters_a_hook_changed_differently_on_the_processes_are_an_error(parallelism: str) -> None:
+    """Copies that differ at the first batch would never meet again: named, on every rank, at once."""
+    torch.manual_seed(7)
+    strategy = hetero(cpu_fraction=0.5, parallelism=parallelism)
+    model = ReinitializesOnTrainStart()
+    if parallelism == "replicas":  # forked replicas draw alike: make one process's stream its own
+        model.on_train_start = lambda: (torch.manual_seed(model.trainer.global_rank), ReinitializesOnTrainStart.on_train_start(model))  # type: ignore[method-assign]
+    with pytest.raises(Exception) as error:
+        trainer(strategy, max_steps=2).fit(model, regression_data())
+    assert re.search(r"copies of the parameter\(s\) \['layers\.\d\.weight'.* differ at the first training batch", str(error.value))
+
+
+def test_parameters_set_in_setup_stay_one_model() -> None:
+    torch.manual_seed(7)
+    plain = ReinitializesInSetup()
+    trainer(None, max_steps=3).fit(plain, regression_data())
+    torch.manual_seed(7)
+    model = ReinitializesInSetup()
+    trainer(hetero(cpu_fraction=0.5), max_steps=3).fit(model, regression_data())
+    assert max_param_diff(plain, model) < 1e-10
