@@ -55,6 +55,7 @@ from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
 from lightning_hetero.layout import Planner, RunLayout
 from lightning_hetero.loading import LoaderPolicy, check_loader_policy, tunable
 from lightning_hetero.module import check_copies_agree, check_optimizers
+from lightning_hetero.monitored import guard_monitored_values
 from lightning_hetero.offload import BucketStep
 from lightning_hetero.pipeline import ScheduleArg
 from lightning_hetero.placing import build_sync, place_rank
@@ -174,6 +175,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._groups: Optional[ProcessGroups] = None
         self._engine: Optional[StepEngine] = None
         self._copies_checked = True
+        self._unguard: Callable[[], None] = _nothing
         self._planner: Optional[Planner] = None
 
     @property
@@ -322,6 +324,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         sync_metrics_over(module, self._groups.control)
         self._copies_checked = False
         if trainer.state.fn == TrainerFn.FITTING:
+            names = lambda rank: self.topology.rank_name(*divmod(rank, self.topology.procs_per_node))  # noqa: E731
+            self._unguard = guard_monitored_values(trainer.callbacks, self.gather, names)
             self.setup_optimizers(trainer)
             check_optimizers(module, self.optimizers, self.mode)
             skip = self._nonfinite == "skip"
@@ -499,6 +503,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
 
     @override
     def teardown(self) -> None:
+        self._unguard()
+        self._unguard = _nothing
         if self._engine is not None:
             self._engine.close()
             finished = self.lightning_module.trainer.state.status == TrainerStatus.RUNNING  # not `_interrupt`ed
@@ -526,6 +532,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         strategy_registry.register(
             f"{cls.strategy_name}_fine", cls, description="hetero, syncing and stepping during the backward", mode="fine"
         )
+
+
+def _nothing() -> None:
+    pass
 
 
 _LAYOUT_DEFAULTS = {n: p.default for n, p in inspect.signature(HeteroStrategy.__init__).parameters.items() if n in LAYOUT_ARGUMENTS}

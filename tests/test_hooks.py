@@ -4,11 +4,14 @@ those it cannot follow are refused clearly."""
 from __future__ import annotations
 
 import re
+import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hetero.module import check_optimizers
 
@@ -158,3 +161,34 @@ def test_parameters_set_in_setup_stay_one_model() -> None:
     model = ReinitializesInSetup()
     trainer(hetero(cpu_fraction=0.5), max_steps=3).fit(model, regression_data())
     assert max_param_diff(plain, model) < 1e-10
+
+
+class LogsTheMeanOfItsSteps(Net):
+    """Lightning 2's way to log what the step methods returned at the epoch's end: the outputs each
+    process's step methods collected (none on a stage before the last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.outputs.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.outputs:
+            self.log("epoch_mean", torch.stack(self.outputs).mean())
+        self.outputs.clear()
+
+
+def test_a_checkpoint_monitoring_a_value_only_some_processes_logged_stops_at_once(tmp_path: Path) -> None:
+    """The processes without the value would skip the save the others wait on (until the timeout):
+    every process stops at the epoch's end, saying which lack it and why."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="epoch_mean")
+    strategy = hetero(cpu_fraction=0.5, timeout=120)
+    started = time.monotonic()
+    with pytest.raises(Exception) as error:
+        trainer(strategy, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint]).fit(LogsTheMeanOfItsSteps(), regression_data())
+    assert time.monotonic() - started < 60
+    assert re.search(r"`ModelCheckpoint\(monitor='epoch_mean'\)`: 'epoch_mean' was logged on 2 of 3 processes, not on global rank 1 \(stage0", str(error.value))
