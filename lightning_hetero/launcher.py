@@ -24,7 +24,6 @@ first, its role, and why. A process that hangs without failing is ended by the s
 from __future__ import annotations
 
 import atexit
-import io
 import logging
 import os
 import shutil
@@ -120,6 +119,19 @@ _CUDA_STARTED_BEFORE_FORK = (
 )
 
 
+class _ResultsFile(NamedTuple):
+    """Where global rank 0 of a fork or spawn launch wrote the trainer call's results for the main process."""
+
+    path: str
+
+    def take(self) -> Any:
+        """The results, read once: the file and its folder go."""
+        try:
+            return torch.load(self.path, weights_only=False)  # written by our own rank 0
+        finally:
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
 class _Terminated(NamedTuple):
     """What global rank 0 returns to the main process (fork, spawn) when a SIGTERM ended the run."""
 
@@ -183,9 +195,10 @@ class _Processes(_MultiProcessingLauncher):
             return worker_output
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
         self._recover_results_in_main_process(worker_output, trainer)
+        results = worker_output.trainer_results.take()
         if terminated:
             raise SIGTERMException()  # every rank ended at the same step after a SIGTERM (`signals.py`)
-        return worker_output.trainer_results
+        return results
 
     @override
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any) -> None:
@@ -221,12 +234,15 @@ class _Processes(_MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
+        # The results (predictions: any size) go through a file, as Lightning's weights do: the queue
+        # to the main process is a pipe that holds 64 KiB, and the main process reads it only once
+        # every rank has ended, so a larger put would never return.
         output = super()._collect_rank_zero_results(trainer, results)
         if output is None:
             return None
-        buffer = io.BytesIO()
-        torch.save(output.trainer_results, buffer)
-        return output._replace(trainer_results=buffer.getvalue())
+        path = os.path.join(tempfile.mkdtemp(prefix="hetero-results-"), "results.pt")
+        torch.save(output.trainer_results, path)
+        return output._replace(trainer_results=_ResultsFile(path))
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
@@ -522,9 +538,7 @@ class HeteroLauncher(_Launcher):
                 f" middle of the run; the other processes were stopped."
             )
             raise
-        if trainer is None or not isinstance(results, bytes) or self.start_method == "popen":
-            return results
-        return torch.load(io.BytesIO(results), weights_only=False)  # written by our own rank 0 above
+        return results
 
     def _check_tuner(self, trainer: "pl.Trainer") -> None:
         """``Tuner(trainer).lr_find`` and ``scale_batch_size`` end the fit in the processes, and the

@@ -4,10 +4,12 @@ popen, torchrun, and SLURM's srun (simulated: one process per task with srun's e
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 import lightning as L
@@ -368,3 +370,32 @@ def test_a_fork_from_a_process_that_started_cuda_is_refused_before_any_rank_star
         strategy = hetero(stages=stages, cpu_fraction=0.5, start_method="fork")
         with pytest.raises(RuntimeError, match=r"already started CUDA.*start_method='popen'.*'forkserver' or 'spawn'"):
             trainer(strategy, max_steps=1).fit(Net(), regression_data())
+
+
+class _Alarm:
+    """Fails the block after ``seconds`` (SIGALRM) instead of letting a hang stall the suite."""
+
+    def __init__(self, seconds: int) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        def ring(*_: Any) -> None:
+            raise TimeoutError(f"still running after {self.seconds} s")
+
+        self._previous = signal.signal(signal.SIGALRM, ring)
+        signal.alarm(self.seconds)
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self._previous)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_predictions_larger_than_a_pipe_come_back(start_method: str) -> None:
+    """Rank 0 hands the main process its predictions through a file: through the queue, a put larger
+    than the pipe's 64 KiB would wait for a reader that reads only once every rank has ended."""
+    data = regression_data(n=6000, batch_size=500)  # 6000 x 3 float64 predictions: 141 KiB
+    plain = torch.cat(trainer(None).predict(Net(), data))
+    with _Alarm(120):
+        predicted = trainer(hetero(cpu_fraction=0.5, start_method=start_method)).predict(Net(), data)
+    assert torch.allclose(torch.cat(predicted), plain, atol=1e-12, rtol=0)
