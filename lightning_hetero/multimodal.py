@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
@@ -563,10 +563,15 @@ _IN_BACKWARD: ContextVar[bool] = ContextVar("hetero_in_backward", default=False)
 @contextmanager
 def in_backward() -> Generator[None, None, None]:
     """Marks a worker's backward (its own share's, or a pipeline stage's of one micro-batch): a placed
-    encoder called in it is being recomputed, which it cannot be."""
+    encoder called in it is being recomputed, which it cannot be. The backward runs outside the
+    forward's autocast (mixed precision), as Lightning runs it: the step methods run inside it."""
     token = _IN_BACKWARD.set(True)
     try:
-        yield
+        with ExitStack() as outside:
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    outside.enter_context(torch.autocast(device_type, enabled=False))
+            yield
     finally:
         _IN_BACKWARD.reset(token)
 

@@ -4,6 +4,7 @@ precision refused with the reason."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
@@ -62,3 +63,44 @@ def test_clipping_goes_through_the_runs_gradient_sync() -> None:
     plugin.clip_gradients(optimizer, 0.5, "norm")  # type: ignore[arg-type]
     plugin.clip_gradients(optimizer, 0.25, "value")  # type: ignore[arg-type]
     assert clipping.calls == [("norm", 0.5), ("value", 0.25)]
+
+
+class RecordsAutocastInBackward(torch.nn.Module):
+    """Passes its input through, writing whether autocast is on when the backward reaches it, from the
+    second step on (the first has torch's pipelining run a trial backward to learn its shapes)."""
+
+    def __init__(self, out: Any) -> None:
+        super().__init__()
+        self.out = out
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and self.armed:
+            x.register_hook(self._note)
+        return x
+
+    def _note(self, grad: torch.Tensor) -> None:
+        with open(self.out / f"{os.getpid()}.txt", "a") as f:
+            f.write("on" if torch.is_autocast_enabled("cpu") else "off")
+
+
+class ArmFromTheSecondStep(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        pl_module.layers[5].armed = trainer.global_step >= 1
+
+
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_the_backward_runs_outside_autocast_as_lightnings_does(tmp_path: Any, parallelism: str) -> None:
+    """bf16-mixed autocasts the forward; Lightning runs the backward outside it (a layer the model
+    keeps in float32 with autocast off would otherwise have its backward recomputed in bf16)."""
+    from tests.conftest import hetero, trainer
+    from tests.models import Net, regression_data
+
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5, parallelism=parallelism))):
+        out = tmp_path / name
+        out.mkdir()
+        model = Net()
+        model.layers[5] = RecordsAutocastInBackward(out)
+        trainer(strategy, max_steps=3, precision="bf16-mixed", callbacks=[ArmFromTheSecondStep()]).fit(model, regression_data())
+        seen = "".join(p.read_text() for p in out.glob("*.txt"))
+        assert seen and "on" not in seen.replace("off", ""), (name, seen)
