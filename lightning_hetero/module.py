@@ -313,6 +313,14 @@ def _check_training(model: nn.Module) -> None:
             f"`{name}.{sparse[0]}` makes sparse gradients (`sparse=True`), which the hetero strategy does not sum"
             " between its workers. Use `sparse=False` (and a dense optimizer such as Adam in place of `SparseAdam`)."
         )
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"`{name}` has lazy layers whose parameters have no shape until a first forward ({', '.join(lazy[:3])}"
+            f"{' ...' if len(lazy) > 3 else ''}): the hetero strategy lays out the gradients it sums from the"
+            " parameters' shapes before training, as DDP does. Give the layers their sizes (`nn.Linear` for"
+            " `nn.LazyLinear`), or run a batch through the model in `configure_model` so they have them."
+        )
     step = getattr(model, "training_step", None)
     if callable(step) and (
         is_param_in_hook_signature(step, "dataloader_iter", explicit=True)

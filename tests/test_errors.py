@@ -82,6 +82,14 @@ class IterStep(Net):
         return super().training_step(next(dataloader_iter), 0)
 
 
+class Lazy(Net):
+    """A layer whose parameters take their shape at the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[4] = nn.LazyLinear(3)
+
+
 class GathersInStep(Net):
     """The DDP idiom of gathering a value across processes inside `training_step`."""
 
@@ -312,6 +320,10 @@ CASES = {
         "float16 mixed precision needs a loss scale agreed between all workers",
     ),
     "manual-optimization": Bad(lambda _: fit(Variant("manual")), "uses manual optimization"),
+    "lazy-layers": Bad(lambda _: fit(Lazy()), "`Lazy` has lazy layers whose parameters have no shape until a first forward (layers.4.weight"),
+    "lazy-layers-as-replicas": Bad(
+        lambda _: fit(Lazy(), hetero(cpu_fraction=0.5, parallelism="replicas")), "`Lazy` has lazy layers whose parameters"
+    ),
     "all-gather-in-a-step-method": Bad(
         lambda _: fit(GathersInStep(), hetero(cpu_fraction=0.5, timeout=60)),
         "`self.all_gather` in a step method: under the hetero strategy a step method runs on one worker's share",
