@@ -192,3 +192,24 @@ def test_a_checkpoint_monitoring_a_value_only_some_processes_logged_stops_at_onc
         trainer(strategy, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint]).fit(LogsTheMeanOfItsSteps(), regression_data())
     assert time.monotonic() - started < 60
     assert re.search(r"`ModelCheckpoint\(monitor='epoch_mean'\)`: 'epoch_mean' was logged on 2 of 3 processes, not on global rank 1 \(stage0", str(error.value))
+
+
+class LazyMadeInConfigureModel(Net):
+    """A lazy layer given its shape by a batch run through the model in `configure_model`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[4] = torch.nn.LazyLinear(3)
+
+    def configure_model(self) -> None:
+        if isinstance(self.layers[4].weight, torch.nn.parameter.UninitializedParameter):
+            torch.manual_seed(1)
+            with torch.no_grad():
+                self(torch.zeros(1, 6, dtype=self.layers[0].weight.dtype))
+
+
+def test_lazy_layers_given_their_shapes_in_configure_model_train_as_one_process() -> None:
+    plain, model = LazyMadeInConfigureModel(), LazyMadeInConfigureModel()
+    trainer(None, max_steps=3).fit(plain, regression_data())
+    trainer(hetero(cpu_fraction=0.5), max_steps=3).fit(model, regression_data())
+    assert max_param_diff(plain, model) < 1e-10
