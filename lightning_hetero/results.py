@@ -23,17 +23,20 @@ collected there.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
 import numbers
 import pickle
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
@@ -69,6 +72,9 @@ class LoggedValue:
     share: int | None = None
     """The worker's samples, where ``weight`` is a fixed ``batch_size`` passed to ``self.log`` (the
     loader's, ``LogCapture.nominal``) on a batch of another size."""
+    states: tuple[dict[str, Any], ...] = ()
+    """For a metric whose batch states merge (``Metric.merge_state``): the state each worker's share
+    of the batch gave it (on the CPU), from which every rank computes the whole batch's value."""
 
 
 @dataclass
@@ -117,11 +123,17 @@ class LogCapture:
     def __enter__(self) -> LogCapture:
         self.module.log = self._capture  # type: ignore[method-assign]
         self.module.all_gather = _refuse_all_gather  # type: ignore[method-assign]
+        self._batch_states: dict[int, dict[str, Any]] = {}
+        self._computes = [(m, m.compute) for m in self.module.modules() if isinstance(m, Metric) and _merges(m)]
+        for metric, compute in self._computes:
+            metric.compute = functools.partial(_noting_batch_state, metric, compute, self._batch_states)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         del self.module.log
         del self.module.all_gather
+        for metric, compute in self._computes:
+            metric.compute = compute  # type: ignore[method-assign]
 
     def _capture(self, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
@@ -139,11 +151,13 @@ class LogCapture:
             weight = float(self.samples)
         else:  # a count of the worker's own, such as its tokens
             weight = float(batch_size)
-        metric = None
+        metric, states = None, ()
         if isinstance(value, Metric):
             metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
+            state = self._batch_states.get(id(value))
+            states = (state,) if state is not None and self.samples else ()
             value = value._forward_cache
-        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric, share))
+        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric, share, states))
 
     def _metric_path(self, metric: Metric, name: str) -> str:
         for path, module in self.module.named_modules():
@@ -331,7 +345,8 @@ def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
     weight = sum(i.weight for i in items)
     valued = [i for i in items if i.value is not None]
     value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None
-    return LoggedValue(name, value, weight, first.dtype, first.options, first.metric)
+    states = tuple(state for i in items for state in i.states) if all(i.states for i in items) else ()
+    return LoggedValue(name, value, weight, first.dtype, first.options, first.metric, states=states)
 
 
 def _reduce(reduce_fx: Any, items: list[LoggedValue]) -> float:
@@ -356,12 +371,55 @@ def relog(module: LightningModule, values: list[LoggedValue], device: torch.devi
         weight = int(item.weight) if float(item.weight).is_integer() else item.weight
         if item.metric is not None:
             metric = module.get_submodule(item.metric)
-            if item.value is not None:
+            if item.states:  # the whole batch's value, from the shares' states
+                metric._forward_cache = _batch_value(metric, item.states)
+            elif item.value is not None:
                 metric._forward_cache = torch.tensor(item.value, dtype=item.dtype, device=metric.device)
             module.log(item.name, metric, batch_size=weight, metric_attribute=item.metric, **options)
         else:
             value = item.value if item.dtype is None else torch.tensor(item.value, dtype=item.dtype, device=device)
             module.log(item.name, value, batch_size=weight, **options)
+
+
+def _merges(metric: Metric) -> bool:
+    """Whether a metric's batch states merge into the state of their union (``Metric.merge_state``)."""
+    return metric.full_state_update is False and not metric.dist_sync_on_step
+
+
+def _noting_batch_state(metric: Metric, compute: Any, noted: dict[int, dict[str, Any]]) -> Any:
+    """``metric.compute``, noting the state it computes from where that is the batch's alone: in
+    ``forward``, which then merges it into the metric's running state (``_enable_grad`` is set
+    there only)."""
+    if metric._enable_grad:
+        noted[id(metric)] = {k: move_data_to_device(_detached(v), "cpu") for k, v in metric.metric_state.items()}
+    return compute()
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    return value
+
+
+_SCRATCH: "weakref.WeakKeyDictionary[Metric, Metric]" = weakref.WeakKeyDictionary()
+"""Per logged metric, a copy of it that computes the whole batch's value from the shares' states."""
+
+
+def _batch_value(metric: Metric, states: tuple[dict[str, Any], ...]) -> Tensor:
+    """What ``metric`` computes for the union of the shares' batch states, as one process's
+    ``forward`` on the whole batch gives it (without a collective: every rank has every state)."""
+    scratch = _SCRATCH.get(metric)
+    if scratch is None:
+        group = metric.process_group  # a process group cannot be copied: the copy shares it (and never syncs)
+        scratch = _SCRATCH[metric] = copy.deepcopy(metric, memo={id(group): group} if group is not None else None)
+    scratch.reset()
+    for state in states:
+        scratch.merge_state(move_data_to_device(state, metric.device))
+    scratch._update_count, scratch._to_sync, scratch._should_unsync = len(states), False, False
+    with torch.no_grad():
+        return scratch.compute()
 
 
 def merge_outputs(parts: list[tuple[int, Any]], path: str = "the output") -> Any:

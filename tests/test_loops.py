@@ -280,3 +280,34 @@ def test_a_rank_without_a_share_does_not_warn_of_a_metric_it_did_not_update(tmp_
     t = trainer(hetero(cpu_fraction=0.0), max_epochs=1, callbacks=[RecordShownWarnings(tmp_path / "shown.txt")])
     t.fit(Classifier(), classification_data(), classification_data(seed=3))
     assert "before the ``update`` method" not in (tmp_path / "shown.txt").read_text()
+
+
+class MacroF1(Classifier):
+    """Logs a metric that is not an average over samples (macro F1) at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassF1Score
+
+        self.train_f1 = MulticlassF1Score(num_classes=4, average="macro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        self.train_f1(out, y)
+        self.log("train_f1", self.train_f1, on_step=True, on_epoch=True)
+        return self.pipeline_loss(out, y)
+
+
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_a_metric_logged_at_every_step_is_the_whole_batchs(tmp_path: Path, parallelism: str) -> None:
+    """A metric's step value is its `forward` on the batch: here computed from the union of the
+    shares' batch states (a macro F1 of the whole batch is not the shares' F1s averaged)."""
+    logged = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5, parallelism=parallelism))):
+        trainer(strategy, tmp_path / name, max_epochs=2).fit(MacroF1(), classification_data())
+        rows = read_metrics(tmp_path / name)
+        logged[name] = (column(rows, "train_f1_step"), column(rows, "train_f1_epoch"))
+    for (_, plain), (_, het) in zip(logged["plain"][0], logged["hetero"][0], strict=True):
+        assert abs(plain - het) < 1e-12
+    assert [v for _, v in logged["plain"][1]] == pytest.approx([v for _, v in logged["hetero"][1]], abs=1e-12)
