@@ -390,7 +390,7 @@ def _noting_batch_state(metric: Metric, compute: Any, noted: dict[int, dict[str,
     """``metric.compute``, noting the state it computes from where that is the batch's alone: in
     ``forward``, which then merges it into the metric's running state (``_enable_grad`` is set
     there only)."""
-    if metric._enable_grad:
+    if getattr(metric, "_enable_grad", False):
         noted[id(metric)] = {k: move_data_to_device(_detached(v), "cpu") for k, v in metric.metric_state.items()}
     return compute()
 
@@ -407,13 +407,26 @@ _SCRATCH: "weakref.WeakKeyDictionary[Metric, Metric]" = weakref.WeakKeyDictionar
 """Per logged metric, a copy of it that computes the whole batch's value from the shares' states."""
 
 
+def _empty_copy(metric: Metric) -> Metric:
+    """A copy of ``metric`` to compute with. Its process group cannot be copied: the copy shares it
+    (and never syncs). Its tensors, which ``reset`` replaces, are taken detached: one computed with
+    autograd (the last ``forward``'s value, a batch's part of a list state) cannot be copied."""
+    memo: dict[int, Any] = {}
+    if metric.process_group is not None:
+        memo[id(metric.process_group)] = metric.process_group
+    for value in vars(metric).values():
+        for tensor in value if isinstance(value, list) else [value]:
+            if isinstance(tensor, Tensor):
+                memo[id(tensor)] = tensor.detach()
+    return copy.deepcopy(metric, memo)
+
+
 def _batch_value(metric: Metric, states: tuple[dict[str, Any], ...]) -> Tensor:
     """What ``metric`` computes for the union of the shares' batch states, as one process's
     ``forward`` on the whole batch gives it (without a collective: every rank has every state)."""
     scratch = _SCRATCH.get(metric)
     if scratch is None:
-        group = metric.process_group  # a process group cannot be copied: the copy shares it (and never syncs)
-        scratch = _SCRATCH[metric] = copy.deepcopy(metric, memo={id(group): group} if group is not None else None)
+        scratch = _SCRATCH[metric] = _empty_copy(metric)
     scratch.reset()
     for state in states:
         scratch.merge_state(move_data_to_device(state, metric.device))
