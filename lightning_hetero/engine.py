@@ -360,15 +360,20 @@ class StepEngine:
         return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
 
 
+def _written(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]) -> str:
+    """The tensors whose identity or version changed between ``before`` and ``after`` (``""``: none),
+    the first five named, as a message says them."""
+    changed = [name for name, version in before.items() if after.get(name, version) != version]
+    return f"{changed[:5]}{' ...' if len(changed) > 5 else ''}" if changed else ""
+
+
 def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]]) -> None:
     """Once, after this process's first training step: buffers the step wrote (running means, counters)
     hold what this worker saw of the batch, not the whole batch as in one process."""
-    after = buffer_versions(module)
-    changed = [name for name, version in before.items() if after.get(name, version) != version]
+    changed = _written(before, buffer_versions(module))
     if changed:
         warnings.warn(
-            f"`{type(module).__name__}`'s training step changed its buffer(s) {changed[:5]}"
-            f"{' ...' if len(changed) > 5 else ''}. Each worker computes its own share of every batch (a pipeline stage"
+            f"`{type(module).__name__}`'s training step changed its buffer(s) {changed}. Each worker computes its own share of every batch (a pipeline stage"
             " one micro-batch at a time), so such buffers follow that share, not the whole batch, and differ from"
             " one process's and between workers; the strategy keeps only BatchNorm's statistics equal. Update them"
             " outside the training step (e.g. in `on_train_batch_end`, from values logged or returned), or keep"
@@ -381,12 +386,10 @@ def _warn_of_changed_parameters(module: Any, before: Mapping[str, tuple[int, int
     """Once, after this process's first training step: parameters the forward or backward wrote in
     place (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) hold what this worker
     saw of the batch, so the workers' copies of them part ways, and from one process's."""
-    after = parameter_versions(module)
-    changed = [name for name, version in before.items() if after.get(name, version) != version]
+    changed = _written(before, parameter_versions(module))
     if changed:
         warnings.warn(
-            f"`{type(module).__name__}`'s training step wrote its parameter(s) {changed[:5]}"
-            f"{' ...' if len(changed) > 5 else ''} in place (as `nn.Embedding(max_norm=...)` renormalizes the rows"
+            f"`{type(module).__name__}`'s training step wrote its parameter(s) {changed} in place (as `nn.Embedding(max_norm=...)` renormalizes the rows"
             " a batch looks up). Each worker computes its own share of every batch, so a write that depends on the"
             " samples differs between the workers, whose copies of the parameter then part ways for the rest of the"
             " run (only the optimizer's steps keep them equal). Leave the write out (`max_norm=None`), or make it"

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -180,8 +181,6 @@ def check_copies_agree(model: nn.Module, group: Any) -> None:
     ``on_train_start``, which draws from each process's own random stream, and which a pipeline
     stage makes only for the layers it holds) would leave copies that never meet again, since
     every step adds the same summed gradient to each."""
-    import torch.distributed as dist
-
     params = list(model.named_parameters())
     held = [p.detach().double().square().sum() for _, p in params if not p.is_meta]
     sums = torch.full((len(params),), float("nan"), dtype=torch.float64)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
@@ -391,16 +391,8 @@ def _noting_batch_state(metric: Metric, compute: Any, noted: dict[int, dict[str,
     ``forward``, which then merges it into the metric's running state (``_enable_grad`` is set
     there only)."""
     if getattr(metric, "_enable_grad", False):
-        noted[id(metric)] = {k: move_data_to_device(_detached(v), "cpu") for k, v in metric.metric_state.items()}
+        noted[id(metric)] = apply_to_collection(metric.metric_state, Tensor, lambda t: t.detach().to("cpu", copy=True))
     return compute()
-
-
-def _detached(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_detached(v) for v in value]
-    return value
 
 
 _SCRATCH: "weakref.WeakKeyDictionary[Metric, Metric]" = weakref.WeakKeyDictionary()

@@ -62,14 +62,20 @@ def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_ba
     else:
         groups = int((1.0 - cpu_fraction) * batch_size / micro_batches + 0.5)
         pipeline = min(groups, batch_size // micro_batches) * micro_batches
-    steps = largest_divisor_at_most(pipeline, micro_batches) if pipeline else 0
-    cpu_total = batch_size - pipeline
+    return _shares(batch_size, batch_size - pipeline, cpu_workers, micro_batches)
+
+
+def _shares(batch_size: int, cpu_total: int, cpu_workers: int, micro_batches: int) -> Shares:
+    """``cpu_total`` samples spread evenly over the CPU workers (the first ones taking one more where
+    it does not divide), the rest to the pipeline in as many of ``micro_batches`` as divide it."""
     ranges = []
     start = 0
     for index in range(cpu_workers):
         size = cpu_total // cpu_workers + (1 if index < cpu_total % cpu_workers else 0)
         ranges.append((start, start + size))
         start += size
+    pipeline = batch_size - cpu_total
+    steps = largest_divisor_at_most(pipeline, micro_batches) if pipeline else 0
     return Shares(batch_size, tuple(ranges), (cpu_total, batch_size), steps)
 
 
@@ -90,14 +96,7 @@ def no_single_samples(shares: Shares, devices: int, micro_batches: int = 1) -> S
         return shares
     candidates = sorted(range(size + 1 if cpus else 1), key=lambda total: (abs(total - now), total))
     best = next((total for total in candidates if fits(total)), None)
-    if best is None:
-        return shares
-    ranges, start = [], 0
-    for index in range(cpus):
-        part = best // cpus + (1 if index < best % cpus else 0)
-        ranges.append((start, start + part))
-        start += part
-    return Shares(size, tuple(ranges), (best, size), largest_divisor_at_most(size - best, micro_batches) if best < size else 0)
+    return shares if best is None else _shares(size, best, cpus, micro_batches)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
