@@ -308,6 +308,13 @@ def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
                 continue
             log.debug("hetero: process %d exited with code %s; stopping the others", index, process.exitcode)
             killed = _stop([context.processes[i] for i in waiting.values()])
+            # A process that a signal ended by itself is the cause, and the others' errors its
+            # consequences, even where its end was heard of later (a forkserver reports a child's end
+            # through the server): its exception is raised. Otherwise the first to fail.
+            by_signal = [p for p in context.processes if p not in killed and _by_signal(p)]
+            if by_signal and not _by_signal(process):
+                index = context.processes.index(by_signal[0])
+                sentinel = by_signal[0].sentinel
             # torch's join raises for the first failed process among those it waits for: this one.
             context.sentinels = {sentinel: index}
             try:
@@ -330,6 +337,11 @@ def _stop(processes: Sequence[Any], grace: float = GRACE_S) -> list[Any]:
     for process in killed:
         _wait(process, None)
     return killed
+
+
+def _by_signal(process: Any) -> bool:
+    code = _exit_code(process)
+    return code is not None and code < 0
 
 
 def _killed_note(names: list[str]) -> str:

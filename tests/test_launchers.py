@@ -399,3 +399,29 @@ def test_predictions_larger_than_a_pipe_come_back(start_method: str) -> None:
     with _Alarm(120):
         predicted = trainer(hetero(cpu_fraction=0.5, start_method=start_method)).predict(Net(), data)
     assert torch.allclose(torch.cat(predicted), plain, atol=1e-12, rtol=0)
+
+
+def _fails_or_is_killed_after(index: int, read_end: int, write_end: int) -> None:
+    """Process 0 raises; process 1 ends by SIGKILL once process 0 has gone (its pipe's end closed),
+    as a rank killed first is heard of after the rank its death broke, through a forkserver."""
+    if index == 0:
+        raise RuntimeError("Connection reset by peer")
+    os.close(write_end)
+    os.read(read_end, 1)  # EOF: process 0 and the main process closed their ends
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_ended_by_a_signal_is_named_as_the_cause_though_heard_of_last() -> None:
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from lightning_hetero.launcher import _join
+
+    read_end, write_end = os.pipe()
+    context = torch.multiprocessing.start_processes(
+        _fails_or_is_killed_after, args=(read_end, write_end), nprocs=2, join=False, start_method="fork"
+    )
+    os.close(write_end)
+    os.close(read_end)
+    with pytest.raises(ProcessExitedException) as error:
+        _join(context, rank_name=lambda i: f"rank {i}")
+    assert error.value.error_index == 1 and error.value.exit_code == -signal.SIGKILL
