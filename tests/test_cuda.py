@@ -39,6 +39,9 @@ STEPS = 8
 TOL = {"64-true": 1e-10, "32-true": 1e-5}
 """float64 matches one device to rounding; float32 to the last bits of a float32 product summed in
 another order on the GPU (TF32 is off for matrix products by default)."""
+COPIES_TOL = 1e-13
+"""How far a parameter's copy on the GPU may be from its copy on a CPU worker in float64 (the
+optimizer's kernels on each round differently; the gradients they step with are the same)."""
 
 
 START_METHOD = os.environ.get("HETERO_CUDA_TESTS_START_METHOD", "forkserver")
@@ -209,7 +212,8 @@ def test_encoders_placed_between_a_gpu_replica_and_a_cpu_worker(mode: str, tmp_p
     from tests.test_replicas import assert_same_run
 
     strategy = gpu(mode=mode, encoders={"image": "device0", "text": "cpu0"}, cpu_fraction=0.3)
-    assert_same_run(tmp_path, strategy, Multimodal, multimodal_data)
+    # Each process steps its own copy: the GPU's Adam kernels round differently from the CPU's.
+    assert_same_run(tmp_path, strategy, Multimodal, multimodal_data, copies_tol=COPIES_TOL)
 
 
 def notebook(*cells: str) -> subprocess.CompletedProcess:

@@ -48,10 +48,11 @@ def assert_same_run(
     loss_tol: float = TOL,
     callbacks: list | None = None,
     steps: int = STEPS,
+    copies_tol: float = 0.0,
     **trainer_kwargs: Any,
 ) -> None:
     """Plain and hetero give the same parameters and losses, and every rank's copy of every
-    parameter is identical after every step."""
+    parameter is identical after every step (within ``copies_tol`` where set)."""
 
     def fit(strategy: Any, log_dir: Path, more: list) -> tuple[L.LightningModule, list]:
         m = model()
@@ -64,7 +65,9 @@ def assert_same_run(
     copies = tmp_path / "copies"
     copies.mkdir()
     het, het_rows = fit(strategy, tmp_path / "hetero", [RecordCopies(copies)])
-    assert_copies_identical(copies)
+    drift = assert_copies_identical(copies, copies_tol)
+    if copies_tol:
+        print("largest difference between the copies after each step:", " ".join(f"{d:.2g}" for d in drift))
     assert max_param_diff(ref, het) < TOL
     ref_values, het_values = column(ref_rows, key), column(het_rows, key)
     assert ref_values and [s for s, _ in ref_values] == [s for s, _ in het_values]
