@@ -204,9 +204,11 @@ def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int
     return {"step": facts[0]["step"], "facts": facts}
 
 
-def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str, Any]]:
-    """Per model, as each is measured: every configuration's runs, alternated."""
+def measure(steps: int, repeats: int, smoke: bool = False, only: str = "") -> Iterator[dict[str, Any]]:
+    """Per model (those whose name holds ``only``), as each is measured: every configuration's runs, alternated."""
     for name, model, loader in models(smoke):
+        if only not in name:
+            continue
         every = max(4, steps // 20)  # the rebalancer measures every_n_steps - warmup_steps (2) steps a decision
         configs: dict[str, Callable[[], Any]] = {
             "gpu": lambda: _run(None, model(), loader(steps), steps),
@@ -231,6 +233,7 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str,
         runs: dict[str, list[Any]] = {name: [] for name in configs}
         for _ in range(repeats):
             for config, run in configs.items():
+                started = time.perf_counter()
                 if config in PEERS:  # a peer that fails says why in its row; the others go on
                     try:
                         runs[config].append(run())
@@ -238,6 +241,7 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> Iterator[dict[str,
                         runs[config].append(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}")
                 else:
                     runs[config].append(run())
+                print(f"{name}: {config} took {time.perf_counter() - started:.0f} s", flush=True)
         yield {"model": name, **runs}
 
 
@@ -336,6 +340,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
+    parser.add_argument("--models", default="", help="only the models whose name holds this (e.g. 'GPT')")
+    parser.add_argument("--no-analyzer", action="store_true", help="leave out the analyzer's row")
     parser.add_argument("--profile", type=Path, help="instead: profile the small GPT's steps, hetero and the GPU alone, into this folder")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -344,11 +350,12 @@ def main() -> None:
     if args.profile is not None:
         profile(args.profile)
         return
-    for r in measure(steps=args.steps, repeats=args.repeats):  # each model's rows as soon as they are measured
+    for r in measure(steps=args.steps, repeats=args.repeats, only=args.models):  # each model's rows once measured
         for row in model_rows(r):
             print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
-    row = analyzer_row()
-    print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
+    if not args.no_analyzer:
+        row = analyzer_row()
+        print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
 
 
 if __name__ == "__main__":
