@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -296,8 +297,9 @@ def _forget_compile_pools() -> None:
 
 def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
     """Wait for every process. When one fails, stop the others (``_stop``) and raise torch's
-    exception for the one that failed first: its Python error, or the signal or exit code it ended
-    with; ``rank_name`` names a process index (its local rank) in the note on those it had to kill."""
+    exception for the one that caused the failure (``_cause``): its Python error, or the signal or
+    exit code it ended with; notes name the others that failed, and those it had to kill
+    (``rank_name`` names a process index, its local rank)."""
     waiting = dict(context.sentinels)  # sentinel -> process index
     while waiting:
         for sentinel in wait(list(waiting)):
@@ -308,21 +310,53 @@ def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
                 continue
             log.debug("hetero: process %d exited with code %s; stopping the others", index, process.exitcode)
             killed = _stop([context.processes[i] for i in waiting.values()])
-            # A process that a signal ended by itself is the cause, and the others' errors its
-            # consequences, even where its end was heard of later (a forkserver reports a child's end
-            # through the server): its exception is raised. Otherwise the first to fail.
-            by_signal = [p for p in context.processes if p not in killed and _by_signal(p)]
-            if by_signal and not _by_signal(process):
-                index = context.processes.index(by_signal[0])
-                sentinel = by_signal[0].sentinel
-            # torch's join raises for the first failed process among those it waits for: this one.
-            context.sentinels = {sentinel: index}
+            failed = [i for i, p in enumerate(context.processes) if p.exitcode and p not in killed]
+            index = _cause(context, [index, *(i for i in failed if i != index)])
+            # torch's join raises for the first failed process among those it waits for: the cause.
+            context.sentinels = {context.processes[index].sentinel: index}
             try:
                 context.join()
             except ProcessException as error:
+                others = [f"{rank_name(i)}: {_last_line(context, i)}" for i in failed if i != index]
+                if others:
+                    error.add_note(f"[hetero] Failed too, after it: {'; '.join(others)}.")
                 if killed:
                     error.add_note(_killed_note([rank_name(context.processes.index(p)) for p in killed]))
                 raise
+
+
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+"""What a collective raises on a process when another one of the run has ended: a consequence."""
+
+
+def _cause(context: ProcessContext, failed: list[int]) -> int:
+    """Which of the ``failed`` processes (the first heard of first) caused the others to fail: one a
+    signal ended by itself, else one with an error of its own rather than a lost peer's, else the
+    first heard of. A forkserver reports a child's end through the server, so a rank killed first
+    can be heard of after the ranks its death broke."""
+    by_signal = [i for i in failed if context.processes[i].exitcode < 0]
+    own = [i for i in failed if not any(marker in _error_text(context, i) for marker in PEER_LOST)]
+    return (by_signal or own or failed)[0]
+
+
+def _error_text(context: ProcessContext, index: int) -> str:
+    """The traceback a process's Python error left in its error file (torch's ``_wrap``), or ""."""
+    try:
+        with open(context.error_files[index], "rb") as file:
+            return str(pickle.load(file))
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return ""
+
+
+def _last_line(context: ProcessContext, index: int) -> str:
+    lines = _error_text(context, index).strip().splitlines()
+    return lines[-1] if lines else describe_exit(context.processes[index].exitcode)
 
 
 def _stop(processes: Sequence[Any], grace: float = GRACE_S) -> list[Any]:
@@ -337,11 +371,6 @@ def _stop(processes: Sequence[Any], grace: float = GRACE_S) -> list[Any]:
     for process in killed:
         _wait(process, None)
     return killed
-
-
-def _by_signal(process: Any) -> bool:
-    code = _exit_code(process)
-    return code is not None and code < 0
 
 
 def _killed_note(names: list[str]) -> str:

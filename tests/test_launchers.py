@@ -401,27 +401,35 @@ def test_predictions_larger_than_a_pipe_come_back(start_method: str) -> None:
     assert torch.allclose(torch.cat(predicted), plain, atol=1e-12, rtol=0)
 
 
-def _fails_or_is_killed_after(index: int, read_end: int, write_end: int) -> None:
-    """Process 0 raises; process 1 ends by SIGKILL once process 0 has gone (its pipe's end closed),
-    as a rank killed first is heard of after the rank its death broke, through a forkserver."""
+
+def _fails_after_the_other(index: int, read_end: int, write_end: int, how: str) -> None:
+    """Process 0 fails as a collective does when a peer has gone; process 1, the cause, ends (by
+    SIGKILL, or by an error of its own) only once process 0 has (its pipe's end closed): a rank
+    that failed first is heard of after the ranks its end broke, as through a forkserver."""
     if index == 0:
-        raise RuntimeError("Connection reset by peer")
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:54453")
     os.close(write_end)
     os.read(read_end, 1)  # EOF: process 0 and the main process closed their ends
-    os.kill(os.getpid(), signal.SIGKILL)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError("the cause")
 
 
-def test_a_rank_ended_by_a_signal_is_named_as_the_cause_though_heard_of_last() -> None:
-    from torch.multiprocessing.spawn import ProcessExitedException
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_the_rank_that_caused_a_failure_is_named_though_heard_of_last(how: str) -> None:
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     from lightning_hetero.launcher import _join
 
     read_end, write_end = os.pipe()
     context = torch.multiprocessing.start_processes(
-        _fails_or_is_killed_after, args=(read_end, write_end), nprocs=2, join=False, start_method="fork"
+        _fails_after_the_other, args=(read_end, write_end, how), nprocs=2, join=False, start_method="fork"
     )
     os.close(write_end)
     os.close(read_end)
-    with pytest.raises(ProcessExitedException) as error:
+    expected = ProcessExitedException if how == "kill" else ProcessRaisedException
+    with pytest.raises(expected) as error:
         _join(context, rank_name=lambda i: f"rank {i}")
-    assert error.value.error_index == 1 and error.value.exit_code == -signal.SIGKILL
+    assert error.value.error_index == 1
+    assert error.value.exit_code == -signal.SIGKILL if how == "kill" else "ValueError: the cause" in str(error.value)
+    assert "Failed too, after it: rank 0: RuntimeError:" in "\n".join(error.value.__notes__)
