@@ -355,8 +355,10 @@ def _error_text(context: ProcessContext, index: int) -> str:
 
 
 def _last_line(context: ProcessContext, index: int) -> str:
-    lines = _error_text(context, index).strip().splitlines()
-    return lines[-1] if lines else describe_exit(context.processes[index].exitcode)
+    """A process's error, as its traceback's last line says it (the notes this package adds left out)."""
+    text = _error_text(context, index)
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("[hetero]")]
+    return lines[-1].rstrip(".") if lines else describe_exit(context.processes[index].exitcode)
 
 
 def _stop(processes: Sequence[Any], grace: float = GRACE_S) -> list[Any]:

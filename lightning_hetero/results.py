@@ -402,10 +402,16 @@ _SCRATCH: "weakref.WeakKeyDictionary[Metric, Metric]" = weakref.WeakKeyDictionar
 def _empty_copy(metric: Metric) -> Metric:
     """A copy of ``metric`` to compute with. Its process group cannot be copied: the copy shares it
     (and never syncs). Its tensors, which ``reset`` replaces, are taken detached: one computed with
-    autograd (the last ``forward``'s value, a batch's part of a list state) cannot be copied."""
+    autograd (the last ``forward``'s value, a batch's part of a list state) cannot be copied. It
+    gets none of the hooks on it and its children (a profiler's, which hold what cannot be copied):
+    it only computes."""
     memo: dict[int, Any] = {}
     if metric.process_group is not None:
         memo[id(metric.process_group)] = metric.process_group
+    for module in metric.modules():
+        for name, value in vars(module).items():
+            if "hooks" in name and isinstance(value, dict):
+                memo[id(value)] = type(value)()
     for value in vars(metric).values():
         for tensor in value if isinstance(value, list) else [value]:
             if isinstance(tensor, Tensor):

@@ -407,7 +407,9 @@ def _fails_after_the_other(index: int, read_end: int, write_end: int, how: str) 
     SIGKILL, or by an error of its own) only once process 0 has (its pipe's end closed): a rank
     that failed first is heard of after the ranks its end broke, as through a forkserver."""
     if index == 0:
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:54453")
+        error = RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:54453")
+        error.add_note("[hetero] raised on global rank 0.")  # as the strategy's own note
+        raise error
     os.close(write_end)
     os.read(read_end, 1)  # EOF: process 0 and the main process closed their ends
     if how == "kill":
@@ -432,4 +434,4 @@ def test_the_rank_that_caused_a_failure_is_named_though_heard_of_last(how: str) 
         _join(context, rank_name=lambda i: f"rank {i}")
     assert error.value.error_index == 1
     assert error.value.exit_code == -signal.SIGKILL if how == "kill" else "ValueError: the cause" in str(error.value)
-    assert "Failed too, after it: rank 0: RuntimeError:" in "\n".join(error.value.__notes__)
+    assert "Failed too, after it: rank 0: RuntimeError: [gloo" in "\n".join(error.value.__notes__)

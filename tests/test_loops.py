@@ -311,3 +311,15 @@ def test_a_metric_logged_at_every_step_is_the_whole_batchs(tmp_path: Path, paral
     for (_, plain), (_, het) in zip(logged["plain"][0], logged["hetero"][0], strict=True):
         assert abs(plain - het) < 1e-12
     assert [v for _, v in logged["plain"][1]] == pytest.approx([v for _, v in logged["hetero"][1]], abs=1e-12)
+
+
+def test_a_metric_logged_at_every_step_under_lightnings_profiler(tmp_path: Path) -> None:
+    """The profiler puts hooks on every module, metrics too, holding what cannot be copied: the
+    metric's copy that computes the batch's value is made without them."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    profiler = PyTorchProfiler(dirpath=str(tmp_path / "profile"), filename="fit", schedule=torch.profiler.schedule(
+        wait=1, warmup=1, active=2, repeat=1))  # fmt: skip
+    t = trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=5, profiler=profiler)
+    t.fit(MacroF1(), classification_data())
+    assert len(column(read_metrics(tmp_path), "train_f1_step")) == 5
