@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 
 from lightning_hetero.data import loader_batch_size
 from lightning_hetero.devices import device_stats
-from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, nonfinite_error, nonfinite_parts
+from lightning_hetero.finite import NonfinitePolicy, describe_nonfinite, finite_flag, nonfinite_error, nonfinite_parts
 from lightning_hetero.module import buffer_versions, parameter_versions
 from lightning_hetero.record import Recorder, StepClock, span
 from lightning_hetero.results import LoggedValue, WorkerReport, combine_logs, combine_loss, merge_outputs
@@ -51,7 +51,7 @@ from lightning_hetero.shares import Shares
 from lightning_hetero.signals import StepSignals
 from lightning_hetero.sync import Clipping, GradSync
 from lightning_hetero.topology import gather_object_to
-from lightning_hetero.workers import GradPolicy, Worker
+from lightning_hetero.workers import GradPolicy, Worker, check_same_loss
 
 __all__ = ["StepEngine", "StepState"]
 
@@ -220,7 +220,12 @@ class StepEngine:
             _warn_of_changed_buffers(worker.module, buffers)
         if params is not None:
             _warn_of_changed_parameters(worker.module, params)
-        report.nonfinite = nonfinite_parts(report.loss, worker.fresh_grads)
+        # The one wait for the device in a step: the loss, the logged values and whether the
+        # gradients are finite, read on the host together.
+        grads = [g for g in worker.fresh_grads or () if g is not None]
+        finite = report.to_host(*([finite_flag(grads)] if grads else []))
+        check_same_loss(type(worker.module).__name__, report)
+        report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
         if state.syncs:
             grads_finite, skipped = self.sync.after_backward(not (report.nonfinite or state.nonfinite), state.clock)

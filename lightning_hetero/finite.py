@@ -59,13 +59,13 @@ def finite_flag(tensors: Sequence[Tensor]) -> Tensor:
     return torch.isfinite(torch.stack(sums).sum())
 
 
-def nonfinite_parts(loss: Optional[float], grads: Optional[Sequence[Optional[Tensor]]]) -> tuple[str, ...]:
-    """What of a worker's step is not finite: ``("loss",)``, ``("gradients",)``, both, or nothing."""
+def nonfinite_parts(loss: Optional[float], grads_finite: Optional[bool]) -> tuple[str, ...]:
+    """What of a worker's step is not finite: ``("loss",)``, ``("gradients",)``, both, or nothing
+    (``grads_finite``: ``finite_flag`` of its gradients, read on the host; ``None``: it has none)."""
     parts = []
     if loss is not None and not math.isfinite(loss):
         parts.append("loss")
-    present = [g for g in grads or () if g is not None]
-    if present and not bool(finite_flag(present)):
+    if grads_finite is False:
         parts.append("gradients")
     return tuple(parts)
 

@@ -446,9 +446,10 @@ class Pipeline:
 
     def train_step(
         self, inputs: Any, targets: Any, micro_batches: int, loss_scale: float, clock: Any = None
-    ) -> tuple[Any, float]:
+    ) -> tuple[Any, Tensor | float]:
         """Forward and backward over the share; on the last stage, return the merged outputs and the
-        share's mean loss (``None`` and ``nan`` on the other stages).
+        share's mean loss, a 0-dim tensor on the stage's device, not waited for (``None`` and ``nan``
+        on the other stages).
 
         The loss of each micro-batch is multiplied by ``loss_scale`` before its backward; pass the
         share's weight in the global batch divided by ``micro_batches``, so the gradients left in
@@ -462,8 +463,10 @@ class Pipeline:
         kwargs = {"target": move_data_to_device(targets, self.device), "losses": losses} if self.is_last else {}
         args, inputs_by_name = self._first_stage_args(inputs)
         outputs = schedule.step(*args, **inputs_by_name, **kwargs)
-        mean = sum(float(loss.detach()) for loss in losses) / (loss_scale * micro_batches) if losses else float("nan")
-        return outputs, mean
+        if not losses:
+            return outputs, float("nan")
+        summed = torch.stack([loss.detach().to(torch.promote_types(loss.dtype, torch.float32)) for loss in losses]).sum()
+        return outputs, summed / (loss_scale * micro_batches)
 
     def eval_step(self, inputs: Any, micro_batches: int) -> Any:
         """Forward only over the share; return the merged outputs on the last stage."""

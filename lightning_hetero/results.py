@@ -63,7 +63,8 @@ class LoggedValue:
     """One ``self.log`` call, as plain data that can travel between processes."""
 
     name: str
-    value: float | None
+    value: float | Tensor | None
+    """The logged number; a tensor on its device until the report goes to the host (``WorkerReport.to_host``)."""
     weight: float
     dtype: torch.dtype | None
     options: dict[str, Any]
@@ -83,9 +84,12 @@ class WorkerReport:
     whether they were finite."""
 
     samples: int = 0
-    loss: float | None = None
+    loss: float | Tensor | None = None
+    """The share's loss: a tensor on its device until ``to_host``, then a number."""
     loss_dtype: torch.dtype | None = None
     logs: list[LoggedValue] = field(default_factory=list)
+    pipeline_loss: float | Tensor | None = None
+    """A last pipeline stage's loss as its schedule computed it, to check ``loss`` against (``to_host``)."""
     device: dict[str, float] | None = None
     """The rank's process and device stats (``devices.device_stats``), where the run reports them."""
     nonfinite: tuple[str, ...] = ()
@@ -93,6 +97,50 @@ class WorkerReport:
     signals: int = 0
     """The signals this rank noted since its last report, and whether its trainer is to stop
     (``signals.py``), for every rank to act on."""
+
+    def to_host(self, *extra: Tensor) -> list[float]:
+        """Bring what the report still holds on a device to the host, as numbers (its loss, its
+        logged values) and CPU tensors (metrics' batch states), with one wait per device, and
+        return the numbers of ``extra`` (0-dim tensors). Reading each value where it was logged
+        would make the host wait for the device at each ``self.log`` in the forward, before the
+        backward is even queued; this waits once, where the step's results are exchanged. Calling
+        it again finds nothing left to read."""
+        fenced: set[torch.device] = set()
+
+        def to_cpu(tensor: Tensor) -> Tensor:
+            if tensor.device.type != "cpu":
+                fenced.add(tensor.device)  # the copy is asynchronous: the read below waits for it
+            return tensor.to("cpu", non_blocking=True)
+
+        for item in self.logs:
+            if item.states:
+                item.states = apply_to_collection(item.states, Tensor, to_cpu)
+        slots = [self, *self.logs]
+        held = [(slot, "loss" if slot is self else "value") for slot in slots]
+        held = [(slot, name) for slot, name in held if isinstance(getattr(slot, name), Tensor)]
+        if isinstance(self.pipeline_loss, Tensor):
+            held.append((self, "pipeline_loss"))
+        tensors = [getattr(slot, name) for slot, name in held] + list(extra)
+        values = _read(tensors, fenced)
+        for (slot, name), value in zip(held, values):
+            setattr(slot, name, value)
+        return values[len(held) :]
+
+
+def _read(tensors: list[Tensor], fenced: set[torch.device]) -> list[float]:
+    """The numbers of 0-dim (one-element) ``tensors``, in float64, one copy per device; a device in
+    ``fenced`` with nothing to read is waited for all the same (its asynchronous copies)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    values = [0.0] * len(tensors)
+    for device, indices in by_device.items():
+        numbers = torch.stack([tensors[i].detach().reshape(()).double() for i in indices]).cpu().tolist()
+        for i, number in zip(indices, numbers):
+            values[i] = number
+    for device in fenced - set(by_device):
+        torch.zeros((), device=device).cpu()
+    return values
 
 
 def _refuse_all_gather(*args: Any, **kwargs: Any) -> Any:
@@ -157,7 +205,7 @@ class LogCapture:
             state = self._batch_states.get(id(value))
             states = (state,) if state is not None and self.samples else ()
             value = value._forward_cache
-        self.logs.append(LoggedValue(name, _to_float(name, value), weight, _dtype(value), options, metric, share, states))
+        self.logs.append(LoggedValue(name, _scalar(name, value), weight, _dtype(value), options, metric, share, states))
 
     def _metric_path(self, metric: Metric, name: str) -> str:
         for path, module in self.module.named_modules():
@@ -169,13 +217,15 @@ class LogCapture:
         )
 
 
-def _to_float(name: str, value: Any) -> float | None:
+def _scalar(name: str, value: Any) -> float | Tensor | None:
+    """A logged value as a number, or a detached one-element tensor left on its device (read on the
+    host with the step's other results: ``WorkerReport.to_host``)."""
     if value is None:
         return None
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"`self.log({name!r}, ...)` must log a scalar, got a tensor of shape {tuple(value.shape)}.")
-        return float(value.detach().double().item())
+        return value.detach().reshape(()).clone()  # as Lightning keeps it: later in-place changes do not count
     if isinstance(value, numbers.Number):
         return float(value)  # type: ignore[arg-type]
     raise TypeError(f"`self.log({name!r}, ...)` got a {type(value).__name__}; log a number, tensor or Metric.")
@@ -229,6 +279,7 @@ class ReportExchange:
         return self._all.capacity
 
     def __call__(self, report: WorkerReport, one_way: bool = False) -> list[WorkerReport]:
+        report.to_host()
         self._wait_for_sends()
         if not (one_way and self._cpu_workers):
             return self._all(report)
@@ -391,7 +442,8 @@ def _noting_batch_state(metric: Metric, compute: Any, noted: dict[int, dict[str,
     ``forward``, which then merges it into the metric's running state (``_enable_grad`` is set
     there only)."""
     if getattr(metric, "_enable_grad", False):
-        noted[id(metric)] = apply_to_collection(metric.metric_state, Tensor, lambda t: t.detach().to("cpu", copy=True))
+        # A copy on its device, taken to the host with the step's results (`WorkerReport.to_host`).
+        noted[id(metric)] = apply_to_collection(metric.metric_state, Tensor, lambda t: t.detach().clone())
     return compute()
 
 

@@ -411,7 +411,7 @@ class Worker:
                     " must return exactly that loss: use the optimizer's `weight_decay` for an L2 penalty, or train"
                     " the model as replicas (`parallelism='replicas'`)."
                 )
-            report.loss, report.loss_dtype = float(loss.detach().double()), loss.dtype
+            report.loss, report.loss_dtype = loss.detach().reshape(()), loss.dtype  # read with the step's results
         return report, output
 
 
@@ -698,7 +698,7 @@ class StageWorker(Worker):
             return WorkerReport(), None
         with span(clock, "compute"):
             report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
-        _check_same_loss(type(self.module).__name__, report, pipeline_loss)
+        report.pipeline_loss = pipeline_loss  # checked once on the host (`check_same_loss`)
         return report, output
 
     @override
@@ -761,11 +761,15 @@ class StageWorker(Worker):
         return report, output
 
 
-def _check_same_loss(model: str, report: WorkerReport, pipeline_loss: float) -> None:
+def check_same_loss(model: str, report: WorkerReport) -> None:
     """The stages train on ``pipeline_loss``; a ``training_step`` that returns another loss would
     train the CPU worker's share on something else, so say so instead of training a wrong model.
-    (The two are computed in different orders: micro-batch by micro-batch, and over the share.)"""
-    step_loss = report.loss
+    (The two are computed in different orders: micro-batch by micro-batch, and over the share.)
+    Called with the report on the host (``WorkerReport.to_host``), on a last stage."""
+    step_loss, pipeline_loss = report.loss, report.pipeline_loss
+    if pipeline_loss is None:
+        return
+    assert not isinstance(step_loss, Tensor) and not isinstance(pipeline_loss, Tensor), "read on the host first"
     if step_loss is None or not (math.isfinite(step_loss) and math.isfinite(pipeline_loss)):
         return  # the strategy's non-finite policy decides what a NaN or Inf loss does
     tolerance = 1e-4 if report.loss_dtype in (torch.float32, torch.float64) else 5e-2

@@ -323,3 +323,80 @@ def test_a_metric_logged_at_every_step_under_lightnings_profiler(tmp_path: Path)
     t = trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=5, profiler=profiler)
     t.fit(MacroF1(), classification_data())
     assert len(column(read_metrics(tmp_path), "train_f1_step")) == 5
+
+
+
+_HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Notes each call, until the step's results are exchanged (``exchanged``), that reads a
+    tensor's value on the host (on a GPU: a wait for the work queued before it), by the package's
+    function that made it."""
+
+    exchanged = False
+
+    def __init__(self, calls: list[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in _HOST_READS and not _HostReads.exchanged:
+            import traceback
+
+            callers = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            if callers and "/lightning_hetero/" in callers[-1].filename:
+                self.calls.append(f"{Path(callers[-1].filename).name}:{callers[-1].name}:{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+class CountHostReads(L.Callback):
+    """Each rank writes, per training step from the third on, the host reads the package made in
+    it before the step's results were exchanged."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps, self._mode = out, [], None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= 2:
+            self.steps.append([])
+            _HostReads.exchanged = False
+            self._mode = _HostReads(self.steps[-1])
+            self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.out / f"reads{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_a_training_step_reads_its_results_on_the_host_once(
+    tmp_path: Path, parallelism: str, cpu_fraction: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss, every logged value (a metric's batch state too) and whether the gradients are
+    finite are read on the host together, once, where the step's results are exchanged: on a GPU
+    each read waits for the work queued before it, and one at `self.log` in the forward would hold
+    the backward back. (The ranks are forked: they inherit the patch marking the exchange.)"""
+    from lightning_hetero.results import ReportExchange
+
+    exchange = ReportExchange.__call__
+
+    def marked(self: Any, report: Any, *args: Any, **kwargs: Any) -> Any:
+        getattr(report, "to_host", lambda: None)()  # still before the mark: its reads are the step's
+        _HostReads.exchanged = True
+        return exchange(self, report, *args, **kwargs)
+
+    monkeypatch.setattr(ReportExchange, "__call__", marked)
+    strategy = hetero(cpu_fraction=cpu_fraction, parallelism=parallelism, stages=["cpu"], start_method="fork")
+    trainer(strategy, tmp_path, max_steps=5, callbacks=[CountHostReads(tmp_path)]).fit(MacroF1(), classification_data())
+    computed = {"reads1.json"} | ({"reads0.json"} if cpu_fraction else set())  # the ranks with a share
+    for path in sorted(tmp_path.glob("reads*.json")):
+        steps = json.loads(path.read_text())
+        assert len(steps) == 3
+        once = ["results.py:_read:cpu", "results.py:_read:tolist"]
+        assert all(calls == (once if path.name in computed else []) for calls in steps), (path.name, steps)
