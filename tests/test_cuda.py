@@ -15,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +238,52 @@ def test_a_fork_after_a_plain_fit_is_refused_with_the_reason() -> None:
     its sanity check): a forked fit after it is refused before any rank starts, saying why."""
     run = notebook("trainer(None, max_steps=2).fit(Net().double(), regression_data())", "FORKED_FIT")
     assert run.returncode != 0 and "This process has already started CUDA" in run.stderr, run.stderr[-3000:]
+
+
+class GpuWaits(L.Callback):
+    """On a rank on the GPU, in steps 2 to 4, every wait for the GPU (torch's sync debug mode) from
+    the step's start until its results are in (Lightning's `on_before_backward`, which follows the
+    strategy's `training_step`), each as the package's and Lightning's frames that made it; written
+    to ``waits<rank>.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps, self._saved = out, [], None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.strategy.root_device.type == "cuda" and 2 <= trainer.global_step <= 4:
+            self.steps.append([])
+            self._saved = (warnings.showwarning, warnings.filters[:])
+            warnings.simplefilter("always")
+            warnings.showwarning = self._note
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_before_backward(self, *args: Any) -> None:
+        if self._saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning, warnings.filters[:] = self._saved
+            self._saved = None
+
+    def _note(self, message: Any, *rest: Any) -> None:
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "lightning" in f.filename and "test_" not in f.filename]
+            self.steps[-1].append(" <- ".join(f"{Path(f.filename).name}:{f.name}" for f in reversed(frames[-6:])))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.steps:
+            (self.out / f"waits{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.parametrize("parallelism", ["pipeline", "replicas"])
+def test_a_gpu_step_waits_for_the_gpu_once_before_its_results_are_in(parallelism: str, tmp_path: Path) -> None:
+    """Before its results are exchanged, a GPU rank's step waits for the GPU only where Lightning
+    moves the batch onto it and where the step's results are read on the host together (`_read`):
+    not at each `self.log`, nor for the loss or the gradients' finite flag."""
+    fit(gpu(parallelism=parallelism), callbacks=[GpuWaits(tmp_path)])
+    (path,) = tmp_path.glob("waits*.json")
+    steps = json.loads(path.read_text())
+    print("waits for the GPU per step before the results are in:", json.dumps(steps, indent=1))
+    assert len(steps) == 3
+    for waits in steps:
+        reads = [i for i, site in enumerate(waits) if site.startswith("results.py:_read")]
+        assert len(reads) == 1, waits
+        assert all("move_data_to_device" in site or "batch_to" in site for site in waits[: reads[0]]), waits
