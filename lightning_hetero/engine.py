@@ -212,6 +212,11 @@ class StepEngine:
         try:
             worker.saw_batch("training_step", shares.batch_size, 0, loader_batch_size(trainer, "training_step"))
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
+            # The one wait for the device in a step: the loss, the logged values and whether the
+            # gradients are finite, read on the host together.
+            fresh = [g for g in worker.fresh_grads or () if g is not None]
+            finite = report.to_host(*([finite_flag(fresh)] if fresh else []))
+            check_same_loss(type(worker.module).__name__, report)
         except BaseException:
             self.sync.abort()
             raise
@@ -220,11 +225,6 @@ class StepEngine:
             _warn_of_changed_buffers(worker.module, buffers)
         if params is not None:
             _warn_of_changed_parameters(worker.module, params)
-        # The one wait for the device in a step: the loss, the logged values and whether the
-        # gradients are finite, read on the host together.
-        grads = [g for g in worker.fresh_grads or () if g is not None]
-        finite = report.to_host(*([finite_flag(grads)] if grads else []))
-        check_same_loss(type(worker.module).__name__, report)
         report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
         if state.syncs:

@@ -337,12 +337,16 @@ PEER_LOST = (
 
 def _cause(context: ProcessContext, failed: list[int]) -> int:
     """Which of the ``failed`` processes (the first heard of first) caused the others to fail: one a
-    signal ended by itself, else one with an error of its own rather than a lost peer's, else the
-    first heard of. A forkserver reports a child's end through the server, so a rank killed first
-    can be heard of after the ranks its death broke."""
-    by_signal = [i for i in failed if context.processes[i].exitcode < 0]
-    own = [i for i in failed if not any(marker in _error_text(context, i) for marker in PEER_LOST)]
-    return (by_signal or own or failed)[0]
+    signal ended by itself (a kill, a crash), else one with an error of its own, else one that ended
+    without a Python error (an abort: NCCL's watchdog aborts a process whose peer has gone), else
+    the first heard of. A forkserver reports a child's end through the server, so a rank killed
+    first can be heard of after the ranks its death broke."""
+    codes = {i: context.processes[i].exitcode for i in failed}
+    texts = {i: _error_text(context, i) for i in failed}
+    signalled = [i for i in failed if codes[i] < 0 and codes[i] != -signal.SIGABRT]
+    own = [i for i in failed if texts[i] and not any(marker in texts[i] for marker in PEER_LOST)]
+    silent = [i for i in failed if not texts[i]]
+    return (signalled or own or silent or failed)[0]
 
 
 def _error_text(context: ProcessContext, index: int) -> str:

@@ -225,6 +225,12 @@ def _scalar(name: str, value: Any) -> float | Tensor | None:
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"`self.log({name!r}, ...)` must log a scalar, got a tensor of shape {tuple(value.shape)}.")
+        if value.is_meta:
+            raise ValueError(
+                f"`self.log({name!r}, ...)` logs a value computed from layers this pipeline stage does not hold"
+                " (they exist only on the meta device here). Log what the step computes from its outputs, or"
+                " train the model as replicas (`parallelism='replicas'`)."
+            )
         return value.detach().reshape(()).clone()  # as Lightning keeps it: later in-place changes do not count
     if isinstance(value, numbers.Number):
         return float(value)  # type: ignore[arg-type]

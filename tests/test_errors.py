@@ -112,6 +112,13 @@ class L2Penalty(Net):
         return self.pipeline_loss(self(x), y) + 1e-3 * sum(p.pow(2).sum() for p in self.parameters())
 
 
+class LogsAnotherStagesWeight(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.log("first_weight", self.layers[0].weight.sum())
+        return self.pipeline_loss(self(x), y)
+
+
 class OwnBackward(Net):
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         (0.5 * loss).backward()
@@ -402,6 +409,12 @@ CASES = {
     "penalty-over-other-stages-parameters": Bad(
         lambda _: fit(L2Penalty()),
         "returned a loss computed from layers this pipeline stage does not hold",
+        in_run=True,
+        rank="global rank 2 (stage1",
+    ),
+    "a-logged-value-from-other-stages-layers": Bad(
+        lambda _: fit(LogsAnotherStagesWeight()),
+        "`self.log('first_weight', ...)` logs a value computed from layers this pipeline stage does not hold",
         in_run=True,
         rank="global rank 2 (stage1",
     ),

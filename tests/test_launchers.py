@@ -403,10 +403,16 @@ def test_predictions_larger_than_a_pipe_come_back(start_method: str) -> None:
 
 
 def _fails_after_the_other(index: int, read_end: int, write_end: int, how: str) -> None:
-    """Process 0 fails as a collective does when a peer has gone; process 1, the cause, ends (by
-    SIGKILL, or by an error of its own) only once process 0 has (its pipe's end closed): a rank
-    that failed first is heard of after the ranks its end broke, as through a forkserver."""
+    """Process 0 fails as a collective does when a peer has gone (an error, or an abort as NCCL's
+    watchdog's); process 1, the cause, ends (by SIGKILL, or by an error of its own) only once
+    process 0 has (its pipe's end closed): a rank that failed first is heard of after the ranks its
+    end broke, as through a forkserver."""
     if index == 0:
+        if how == "abort":  # as NCCL's watchdog ends a process whose peer has gone
+            import faulthandler
+
+            faulthandler.disable()  # pytest's dump of every thread would only fill the log
+            os.abort()
         error = RuntimeError("[gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:54453")
         error.add_note("[hetero] raised on global rank 0.")  # as the strategy's own note
         raise error
@@ -417,7 +423,7 @@ def _fails_after_the_other(index: int, read_end: int, write_end: int, how: str) 
     raise ValueError("the cause")
 
 
-@pytest.mark.parametrize("how", ["kill", "raise"])
+@pytest.mark.parametrize("how", ["kill", "raise", "abort"])
 def test_the_rank_that_caused_a_failure_is_named_though_heard_of_last(how: str) -> None:
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
@@ -434,4 +440,5 @@ def test_the_rank_that_caused_a_failure_is_named_though_heard_of_last(how: str) 
         _join(context, rank_name=lambda i: f"rank {i}")
     assert error.value.error_index == 1
     assert error.value.exit_code == -signal.SIGKILL if how == "kill" else "ValueError: the cause" in str(error.value)
-    assert "Failed too, after it: rank 0: RuntimeError: [gloo" in "\n".join(error.value.__notes__)
+    failed_too = "rank 0: was killed by SIGABRT" if how == "abort" else "rank 0: RuntimeError: [gloo"
+    assert f"Failed too, after it: {failed_too}" in "\n".join(error.value.__notes__)
