@@ -185,7 +185,7 @@ def check_copies_agree(model: nn.Module, group: Any) -> None:
     held = [p.detach().double().square().sum() for _, p in params if not p.is_meta]
     sums = torch.full((len(params),), float("nan"), dtype=torch.float64)
     if held:
-        sums[torch.tensor([not p.is_meta for _, p in params])] = torch.stack([h.cpu() for h in held])
+        sums[torch.tensor([not p.is_meta for _, p in params])] = torch.stack(held).cpu()  # one read of the device
     every = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, sums, group=group)
     table = torch.stack(every)  # ranks x parameters

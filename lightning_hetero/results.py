@@ -75,7 +75,8 @@ class LoggedValue:
     loader's, ``LogCapture.nominal``) on a batch of another size."""
     states: tuple[dict[str, Any], ...] = ()
     """For a metric whose batch states merge (``Metric.merge_state``): the state each worker's share
-    of the batch gave it (on the CPU), from which every rank computes the whole batch's value."""
+    of the batch gave it (on its device until ``WorkerReport.to_host``, then on the CPU), from which
+    every rank computes the whole batch's value."""
 
 
 @dataclass
@@ -115,11 +116,8 @@ class WorkerReport:
         for item in self.logs:
             if item.states:
                 item.states = apply_to_collection(item.states, Tensor, to_cpu)
-        slots = [self, *self.logs]
-        held = [(slot, "loss" if slot is self else "value") for slot in slots]
-        held = [(slot, name) for slot, name in held if isinstance(getattr(slot, name), Tensor)]
-        if isinstance(self.pipeline_loss, Tensor):
-            held.append((self, "pipeline_loss"))
+        slots = [(self, "loss"), (self, "pipeline_loss"), *((item, "value") for item in self.logs)]
+        held = [(slot, name) for slot, name in slots if isinstance(getattr(slot, name), Tensor)]
         tensors = [getattr(slot, name) for slot, name in held] + list(extra)
         values = _read(tensors, fenced)
         for (slot, name), value in zip(held, values):

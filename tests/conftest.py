@@ -134,7 +134,7 @@ def assert_copies_identical(out_dir: Path, tol: float = 0.0) -> list[float]:
         for held in ranks:
             for name, value in held[step].items():
                 if name in seen:
-                    differences.append((seen[name] - value).abs().max().item() if value.numel() else 0.0)
+                    differences.append((seen[name].double() - value.double()).abs().max().item() if value.numel() else 0.0)
                     assert differences[-1] <= tol if tol else torch.equal(seen[name], value), (
                         f"copies of {name} differ after batch {step} by {differences[-1]:.3g}"
                     )
