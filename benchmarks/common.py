@@ -154,13 +154,40 @@ def step_times(
         return json.loads(out.read_text())
 
 
-def interleave(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, list[float]]:
-    """Run every configuration ``repeats`` times, interleaved; return each one's step times."""
-    samples: dict[str, list[float]] = {name: [] for name in configs}
+def interleave_runs(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, list[list[float]]]:
+    """Run every configuration ``repeats`` times, interleaved; return each one's step times, run by run."""
+    runs: dict[str, list[list[float]]] = {name: [] for name in configs}
     for _ in range(repeats):
         for name, run in configs.items():
-            samples[name].extend(run())
-    return samples
+            runs[name].append(run())
+    return runs
+
+
+def interleave(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, list[float]]:
+    """Run every configuration ``repeats`` times, interleaved; return each one's step times."""
+    return {name: [t for run in runs for t in run] for name, runs in interleave_runs(configs, repeats).items()}
+
+
+@dataclass
+class PairedRatio:
+    """A ratio of two configurations' step times taken run by run (``paired_ratio``): the median of
+    the repeats' ratios, and their range."""
+
+    median: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} (repeats {self.low:.3f}-{self.high:.3f})"
+
+
+def paired_ratio(numerator: list[list[float]], denominator: list[list[float]]) -> PairedRatio:
+    """``numerator`` over ``denominator``, each repeat's median step over the other's in the same
+    repeat (run next to it, so a drift of the machine's speed between repeats cancels), then the
+    median of those ratios. On a shared two-core VM one run's median moves by up to 10%; the
+    repeats' ratios show how far a ratio can be trusted."""
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(numerator, denominator, strict=True)]
+    return PairedRatio(statistics.median(ratios), min(ratios), max(ratios))
 
 
 def alternate(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, float]:

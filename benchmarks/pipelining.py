@@ -6,7 +6,8 @@ count and the same AdamW step. The plain loop is what a user would write by hand
 stage, iterate the same DataLoader, run ``schedule.step`` and ``optimizer.step`` per batch; no
 Lightning, no CPU worker. The
 strategy runs with ``cpu_workers=0`` under a Lightning ``Trainer``, so the ratio is what the
-strategy and Lightning's loop add to torch's own pipelining. Configurations alternate in one run;
+strategy and Lightning's loop add to torch's own pipelining, taken repeat by repeat (the two run
+next to each other; its median and range over the repeats). Configurations alternate in one run;
 medians of the per-step times after a warm-up are reported, beside the ideal speedup of a
 ``p``-stage pipeline over one device, ``p*m/(m+p-1)``: emulated stages that share two cores do not
 reach it (see DESIGN.md, "Measuring speed"), so it is shown for reference only. A last row
@@ -25,14 +26,14 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
+from benchmarks.common import MLP, Row, interleave, interleave_runs, paired_ratio, step_times, synthetic_loader
 from benchmarks.schedules import PROCESSES as STAGES
 from benchmarks.schedules import plain_pipelining
 from lightning_hetero import HeteroStrategy
 
 SCHEDULES = ("GPipe", "1F1B")
 WARMUP = 3
-DEFAULTS = dict(steps=40, repeats=3, micro_batches=[1, 2, 4], width=512, batch_size=256)
+DEFAULTS = dict(steps=30, repeats=5, micro_batches=[1, 2, 4], width=512, batch_size=256)
 
 
 def plain_loop(model: MLP, loader: DataLoader) -> list[float]:
@@ -67,10 +68,11 @@ def measure(steps: int, repeats: int, micro_batches: list[int], width: int, batc
             def plain(schedule: str = schedule, m: int = m) -> list[float]:
                 return plain_pipelining(MLP(width=width), loader, schedule, m)
 
-            times = interleave({"hetero": strategy, "plain": plain}, repeats)
-            medians = {name: statistics.median(t) for name, t in times.items()}
+            runs = interleave_runs({"hetero": strategy, "plain": plain}, repeats)
+            medians = {name: statistics.median(t for run in r for t in run) for name, r in runs.items()}
+            ratio = paired_ratio(runs["hetero"], runs["plain"])
             ideal = STAGES * m / (m + STAGES - 1)
-            results.append({"schedule": schedule, "micro_batches": m, **medians, "ideal": ideal})
+            results.append({"schedule": schedule, "micro_batches": m, **medians, "hetero/plain": ratio, "ideal": ideal})
     lightning = {
         "lightning": lambda: step_times(None, MLP(width=width), loader, steps),
         "loop": lambda: plain_loop(MLP(width=width), loader),
@@ -87,9 +89,9 @@ def rows(smoke: bool = False) -> list[Row]:
             Row(
                 "pipeline overhead",
                 f"{r['schedule']}, {r['micro_batches']} micro-batches: hetero / plain torch pipelining (step time)",
-                r["hetero"] / r["plain"],
+                r["hetero/plain"].median,
                 "<= 1.05" if r["micro_batches"] == 4 else "",
-                f"ideal speedup p*m/(m+p-1) = {r['ideal']:.2f}",
+                f"repeats {r['hetero/plain'].low:.3f}-{r['hetero/plain'].high:.3f}; ideal speedup p*m/(m+p-1) = {r['ideal']:.2f}",
             )
             for r in results
         ),
@@ -113,11 +115,11 @@ def main() -> None:
     args = parser.parse_args()
     results, reference = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size)
     print(f"MLP 6x{args.width}, batch {args.batch_size}, {STAGES} emulated stages; median step (ms)")
-    print(f"{'schedule':>8s} {'m':>3s} {'hetero':>8s} {'plain':>8s} {'hetero/plain':>12s} {'ideal speedup':>13s}")
+    print(f"{'schedule':>8s} {'m':>3s} {'hetero':>8s} {'plain':>8s} {'hetero/plain (range over repeats)':>34s} {'ideal speedup':>13s}")
     for r in results:
         print(
             f"{r['schedule']:>8s} {r['micro_batches']:3d} {r['hetero'] * 1e3:8.2f} {r['plain'] * 1e3:8.2f}"
-            f" {r['hetero'] / r['plain']:12.3f} {r['ideal']:13.2f}"
+            f" {str(r['hetero/plain']):>34s} {r['ideal']:13.2f}"
         )
     print(
         f"one process, no pipeline: plain Lightning {reference['lightning'] * 1e3:.2f} ms, the loop by hand"

@@ -8,7 +8,8 @@ micro-batch count and the same AdamW step, and no CPU worker: the strategy under
 process, the blocks cut into four), and the same schedule written by hand with
 ``torch.distributed.pipelining`` (build the stages where the strategy puts them, run
 ``schedule.step`` and ``optimizer.step`` per batch). Configurations alternate in one run; medians of
-the per-step times after a warm-up are reported. Emulated stages on shared cores leave little bubble
+the per-step times after a warm-up are reported, and each schedule's ratio to its loop by hand is
+taken repeat by repeat (the two run next to each other), its median and range shown. Emulated stages on shared cores leave little bubble
 to remove (see DESIGN.md, "Measuring speed"): the schedules' gains over GPipe and 1F1B are for a
 machine with a device per stage.
 
@@ -34,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.data import DataLoader
 
-from benchmarks.common import MLP, Row, interleave, step_times, synthetic_loader
+from benchmarks.common import MLP, Row, interleave_runs, paired_ratio, step_times, synthetic_loader
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
 from lightning_hetero.pipeline import V_SHAPED, available_schedules, is_multi_stage, partition_layers, stages_of
@@ -43,7 +44,7 @@ from lightning_hetero.profiling import Profile
 
 PROCESSES = 2
 WARMUP = 3
-DEFAULTS = dict(steps=40, repeats=3, micro_batches=4, width=512, batch_size=256)
+DEFAULTS = dict(steps=30, repeats=5, micro_batches=4, width=512, batch_size=256)
 
 
 def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
@@ -85,8 +86,9 @@ def plain_pipelining(model: MLP, loader: DataLoader, schedule: str, micro_batche
         return json.loads((out / "times.json").read_text())
 
 
-def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size: int) -> dict[str, dict[str, float]]:
-    """Per schedule: the strategy's median step, and for the multi-stage ones the hand-written loop's;
+def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size: int) -> dict[str, dict[str, Any]]:
+    """Per schedule: the strategy's median step, and for the multi-stage ones the hand-written loop's
+    and the ratio of the two taken repeat by repeat (``"hetero/plain"``, ``paired_ratio``);
     the workload analyzer's choice (``"planned"``: ``schedule="auto"``, its plan, its step), and each
     schedule's step as its cost model predicts it from the analyzer's profile (``"predicted"``)."""
     torch.set_num_threads(1)  # this process only launches workers; keep forking safe
@@ -110,11 +112,14 @@ def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size
         configs[f"{schedule}/hetero"] = strategy
         if schedule not in ("GPipe", "1F1B"):
             configs[f"{schedule}/plain"] = lambda schedule=schedule: plain_pipelining(MLP(width=width), loader, schedule, micro_batches)
-    medians = {name: statistics.median(t) for name, t in interleave(configs, repeats).items()}
-    results: dict[str, dict[str, float]] = {}
-    for name, value in medians.items():
+    runs = interleave_runs(configs, repeats)
+    results: dict[str, dict[str, Any]] = {}
+    for name, steps_by_run in runs.items():
         schedule, side = name.split("/")
-        results.setdefault(schedule, {})[side] = value
+        results.setdefault(schedule, {})[side] = statistics.median(t for run in steps_by_run for t in run)
+    for schedule, r in results.items():
+        if "plain" in r:
+            r["hetero/plain"] = paired_ratio(runs[f"{schedule}/hetero"], runs[f"{schedule}/plain"])
     plan, profile = HeteroPlan.load(analyzed / "plan.yaml"), Profile.load(analyzed / "profile.json")
     machine = Machine.as_profiled(profile, ["cpu"] * PROCESSES, cpu_workers=0)
     for schedule, r in results.items():
@@ -149,7 +154,7 @@ def rows(smoke: bool = False) -> list[Row]:
         if schedule in ("GPipe", "1F1B"):
             continue
         out += [
-            Row("schedules", f"{schedule}: hetero / plain torch pipelining, same schedule (step time)", r["hetero"] / r["plain"], "<= 1.05", "2 processes x 2 stages"),
+            Row("schedules", f"{schedule}: hetero / plain torch pipelining, same schedule (step time)", r["hetero/plain"].median, "<= 1.05", f"2 processes x 2 stages; repeats {r['hetero/plain'].low:.3f}-{r['hetero/plain'].high:.3f}"),
             Row("schedules", f"{schedule} / GPipe (hetero, step time)", r["hetero"] / gpipe, "< 1 with a device per stage", ""),
             Row("schedules", f"{schedule} / 1F1B (hetero, step time)", r["hetero"] / one_f_one_b, "< 1 with a device per stage", ""),
         ]  # fmt: skip
@@ -166,7 +171,7 @@ def main() -> None:
     gpipe, one_f_one_b = results["GPipe"]["hetero"], results["1F1B"]["hetero"]
     planned = results.pop("planned")
     for schedule, r in results.items():
-        plain = f"plain {r['plain'] * 1e3:8.2f} (hetero/plain {r['hetero'] / r['plain']:.3f})" if "plain" in r else ""
+        plain = f"plain {r['plain'] * 1e3:8.2f} (hetero/plain {r['hetero/plain']})" if "plain" in r else ""
         print(
             f"{schedule:>22s}: hetero {r['hetero'] * 1e3:8.2f}, / GPipe {r['hetero'] / gpipe:.3f}, / 1F1B"
             f" {r['hetero'] / one_f_one_b:.3f}, predicted {r['predicted'] * 1e3:8.2f}  {plain}"
