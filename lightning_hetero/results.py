@@ -240,11 +240,12 @@ def _dtype(value: Any) -> torch.dtype | None:
 
 
 class ReportExchange:
-    """Every rank's report, on every rank, in one all-gather over ``group`` (all ranks by default).
+    """Every rank's report, on every rank, in one exchange over ``group`` (all ranks by default).
 
     ``dist.all_gather_object`` takes two collectives and several copies per call, which costs
     milliseconds a step where processes share cores. Here each rank pickles its report into a
-    fixed-size buffer headed by its length, and one all-gather carries them all. Every rank sees
+    fixed-size buffer headed by its length, and one gather carries them all (``_Gather``: sends
+    between every pair in a small group, an all-gather in a larger one). Every rank sees
     every length, so when a report outgrows the buffer all ranks agree to gather again at the
     largest size, and keep that size from then on.
 
@@ -310,12 +311,22 @@ class ReportExchange:
 
 
 class _Gather:
-    """Every member's object, pickled into one all-gather of fixed-size buffers (``ReportExchange``)."""
+    """Every member's object, pickled into fixed-size buffers that every member sends every other
+    (``ReportExchange``).
+
+    In a group of a few processes the buffers go as sends and receives between every pair, all
+    posted, then waited for. gloo runs a collective such as ``all_gather`` on a thread of its own,
+    and where the cores are busy the handover to that thread and back is slow to come: between two
+    processes that compute on two cores, an all-gather took 0.9 ms on average after the later one
+    arrived (0.28 at the median, 3.4 one time in ten), the sends 0.23 ms (0.19, 0.33). In a larger
+    group, whose every member would post ``n - 1`` sends, the all-gather's ring carries them.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None, capacity: int) -> None:
         self.group = group
         self.capacity = capacity
         self._world = dist.get_world_size(group)
+        self._me = dist.get_rank(group)
 
     def __call__(self, obj: Any) -> list[Any]:
         if self._world == 1:  # a group of one has nobody to tell
@@ -334,7 +345,15 @@ class _Gather:
         if len(data) <= capacity:
             buffer[_HEADER : _HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = torch.empty(self._world, _HEADER + capacity, dtype=torch.uint8)
-        dist.all_gather(list(out.unbind()), buffer, group=self.group)
+        if self._world > _PAIRWISE_UP_TO:
+            dist.all_gather(list(out.unbind()), buffer, group=self.group)
+            return out
+        out[self._me] = buffer
+        others = [r for r in range(self._world) if r != self._me]
+        works = [dist.isend(buffer, group_dst=r, group=self.group, tag=_GATHER_TAG) for r in others]
+        works += [dist.irecv(out[r], group_src=r, group=self.group, tag=_GATHER_TAG) for r in others]
+        for work in works:
+            work.wait()
         return out
 
 
@@ -358,7 +377,10 @@ def _receive(src: int, group: dist.ProcessGroup | None) -> Any:
     return pickle.loads(payload.numpy().tobytes())
 
 
-_LENGTH_TAG, _PAYLOAD_TAG = 7301, 7302
+_LENGTH_TAG, _PAYLOAD_TAG, _GATHER_TAG = 7301, 7302, 7303
+
+_PAIRWISE_UP_TO = 16
+"""The largest group whose reports travel as sends between every pair (``_Gather``)."""
 
 
 _HEADER = 8  # bytes: each report's pickled length, as an int64

@@ -100,7 +100,10 @@ def _share(rank: int, world: int, tmp: Path) -> None:
     dist.destroy_process_group()
 
 
-def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pairwise_up_to", [16, 1], ids=["pairwise", "all-gather"])
+def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pairwise_up_to: int) -> None:
+    """Sent between every pair in a small group, or all-gathered in a larger one."""
+    monkeypatch.setattr("lightning_hetero.results._PAIRWISE_UP_TO", pairwise_up_to)
     world = 3
     mp.start_processes(_share, args=(world, tmp_path), nprocs=world, start_method="fork")
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
