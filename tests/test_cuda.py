@@ -2,7 +2,7 @@
 device trains; fine mode's pinned staging, side streams and offloaded steps; two CPU workers
 splitting their optimizer beside a GPU stage; two stages per process across a GPU and a CPU
 process; bf16 on the GPU; the memory the offload saves; checkpoints; NVML stats and CUDA-event
-spans; a killed GPU rank.
+spans; a killed GPU rank; a step's waits for the GPU; a CPU worker that never starts CUDA.
 
 Marked ``cuda`` and skipped where there is no CUDA device (``.gpu/run`` runs them on a GPU
 machine). The reference runs on the CPU in float64, a plain fit that starts CUDA in this process:
@@ -287,3 +287,41 @@ def test_a_gpu_step_waits_for_the_gpu_once_before_its_results_are_in(parallelism
         reads = [i for i, site in enumerate(waits) if site.startswith("results.py:_read")]
         assert len(reads) == 1, waits
         assert all("move_data_to_device" in site or "batch_to" in site for site in waits[: reads[0]]), waits
+
+
+class CudaOnCpuWorker(L.Callback):
+    """On a CPU worker: whether CUDA had started by Lightning's ``setup`` hook, the Python frames
+    that first started it after that (``torch.cuda._lazy_init``, which torch's Python paths to CUDA
+    go through), and whether it had started by the end; written to ``cuda<rank>.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.at_setup = out, False
+        self.first: list[str] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.strategy.root_device.type != "cpu":
+            return
+        self.at_setup = torch.cuda.is_initialized()
+        lazy_init = torch.cuda._lazy_init
+
+        def noting() -> None:
+            if self.first is None and not torch.cuda.is_initialized():
+                self.first = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[:-1]][-12:]
+            lazy_init()
+
+        torch.cuda._lazy_init = torch.cuda.random._lazy_init = noting  # (random.py holds its own name for it)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.strategy.root_device.type == "cpu":
+            seen = {"at_setup": self.at_setup, "first": self.first, "at_end": torch.cuda.is_initialized()}
+            (self.out / f"cuda{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_a_cpu_worker_beside_a_gpu_stage_never_starts_cuda(mode: str, tmp_path: Path) -> None:
+    """A CUDA context on a CPU worker holds GPU memory for nothing; where one starts, the test names
+    the frames that started it (none: a path outside Python, such as NCCL's)."""
+    fit(gpu(mode=mode), callbacks=[CudaOnCpuWorker(tmp_path)])
+    seen = {path.stem: json.loads(path.read_text()) for path in sorted(tmp_path.glob("cuda*.json"))}
+    print("CUDA on the CPU workers:", json.dumps(seen, indent=1))
+    assert seen and all(s == {"at_setup": False, "first": None, "at_end": False} for s in seen.values()), seen
