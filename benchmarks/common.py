@@ -155,10 +155,11 @@ def step_times(
 
 
 def interleave_runs(configs: dict[str, Callable[[], list[float]]], repeats: int) -> dict[str, list[list[float]]]:
-    """Run every configuration ``repeats`` times, interleaved; return each one's step times, run by run."""
+    """Run every configuration ``repeats`` times, interleaved, every other repeat in the reverse order
+    (so none always runs first, or right after the same one); return each one's step times, run by run."""
     runs: dict[str, list[list[float]]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, run in configs.items():
+    for repeat in range(repeats):
+        for name, run in list(configs.items())[:: -1 if repeat % 2 else 1]:
             runs[name].append(run())
     return runs
 
