@@ -9,9 +9,9 @@ process, the blocks cut into four), and the same schedule written by hand with
 ``torch.distributed.pipelining`` (build the stages where the strategy puts them, run
 ``schedule.step`` and ``optimizer.step`` per batch). Configurations alternate in one run; medians of
 the per-step times after a warm-up are reported, and each schedule's ratio to its loop by hand is
-taken repeat by repeat (the two run next to each other), its median and range shown. Emulated stages on shared cores leave little bubble
-to remove (see DESIGN.md, "Measuring speed"): the schedules' gains over GPipe and 1F1B are for a
-machine with a device per stage.
+taken repeat by repeat (the two run next to each other), its median and range shown. Emulated
+stages on shared cores leave little bubble to remove (see DESIGN.md, "Measuring speed"): the
+schedules' gains over GPipe and 1F1B are for a machine with a device per stage.
 
     python -m benchmarks.schedules [--steps N] [--repeats R] [--micro-batches M]
 """
