@@ -7,7 +7,8 @@ stage, iterate the same DataLoader, run ``schedule.step`` and ``optimizer.step``
 Lightning, no CPU worker. The
 strategy runs with ``cpu_workers=0`` under a Lightning ``Trainer``, so the ratio is what the
 strategy and Lightning's loop add to torch's own pipelining, taken repeat by repeat (the two run
-next to each other; its median and range over the repeats). Configurations alternate in one run;
+next to each other; its median and range over the repeats), each process of either side on a core
+of its own where the machine has one for each (``benchmarks.common.pin_rank``). Configurations alternate in one run;
 medians of the per-step times after a warm-up are reported, beside the ideal speedup of a
 ``p``-stage pipeline over one device, ``p*m/(m+p-1)``: emulated stages that share two cores do not
 reach it (see DESIGN.md, "Measuring speed"), so it is shown for reference only. A last row
@@ -26,7 +27,7 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import MLP, Row, interleave, interleave_runs, paired_ratio, step_times, synthetic_loader
+from benchmarks.common import MLP, OneCorePerRank, Row, interleave, interleave_runs, paired_ratio, step_times, synthetic_loader
 from benchmarks.schedules import PROCESSES as STAGES
 from benchmarks.schedules import plain_pipelining
 from lightning_hetero import HeteroStrategy
@@ -63,7 +64,7 @@ def measure(steps: int, repeats: int, micro_batches: list[int], width: int, batc
 
             def strategy(schedule: str = schedule, m: int = m) -> list[float]:
                 hetero = HeteroStrategy(stages=["cpu"] * STAGES, cpu_workers=0, micro_batches=m, schedule=schedule, start_method="fork")
-                return step_times(hetero, MLP(width=width), loader, steps)
+                return step_times(hetero, MLP(width=width), loader, steps, callbacks=[OneCorePerRank(STAGES)])
 
             def plain(schedule: str = schedule, m: int = m) -> list[float]:
                 return plain_pipelining(MLP(width=width), loader, schedule, m)

@@ -9,7 +9,9 @@ process, the blocks cut into four), and the same schedule written by hand with
 ``torch.distributed.pipelining`` (build the stages where the strategy puts them, run
 ``schedule.step`` and ``optimizer.step`` per batch). Configurations alternate in one run; medians of
 the per-step times after a warm-up are reported, and each schedule's ratio to its loop by hand is
-taken repeat by repeat (the two run next to each other), its median and range shown. Emulated
+taken repeat by repeat (the two run next to each other), its median and range shown. Each process
+of either side runs on a core of its own (``benchmarks.common.pin_rank``), where the machine has one
+for each: left to the OS, they run slower and vary more from run to run. Emulated
 stages on shared cores leave little bubble to remove (see DESIGN.md, "Measuring speed"): the
 schedules' gains over GPipe and 1F1B are for a machine with a device per stage.
 
@@ -35,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.data import DataLoader
 
-from benchmarks.common import MLP, Row, interleave_runs, paired_ratio, step_times, synthetic_loader
+from benchmarks.common import MLP, OneCorePerRank, Row, interleave_runs, paired_ratio, pin_rank, step_times, synthetic_loader
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import WorkloadAnalyzer
 from lightning_hetero.pipeline import V_SHAPED, available_schedules, is_multi_stage, partition_layers, stages_of
@@ -50,6 +52,7 @@ DEFAULTS = dict(steps=30, repeats=5, micro_batches=4, width=512, batch_size=256)
 def _plain_rank(rank: int, model: MLP, loader: DataLoader, schedule: str, micro_batches: int, out: Path) -> None:
     """One process of the hand-written loop, with any schedule (``benchmarks.pipelining`` runs it too)."""
     torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores
+    pin_rank(rank, PROCESSES)  # as `OneCorePerRank` pins the strategy's, before gloo starts its threads
     store = dist.FileStore(str(out / "store"), PROCESSES)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PROCESSES, timeout=timedelta(seconds=60))
     cls = get_schedule_class(schedule)
@@ -98,7 +101,7 @@ def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size
     def planned() -> list[float]:
         analyzer = WorkloadAnalyzer(save_dir=str(analyzed), warmup_steps=WARMUP + 2, measure_steps=3)
         hetero = HeteroStrategy(stages=["cpu"] * PROCESSES, cpu_workers=0, micro_batches=micro_batches, start_method="fork")
-        return step_times(hetero, MLP(width=width), loader, steps, callbacks=[analyzer])
+        return step_times(hetero, MLP(width=width), loader, steps, callbacks=[analyzer, OneCorePerRank(PROCESSES)])
 
     configs: dict[str, Any] = {"planned/hetero": planned}
     for schedule in ["GPipe", "1F1B", *available_schedules()]:
@@ -107,7 +110,7 @@ def measure(steps: int, repeats: int, micro_batches: int, width: int, batch_size
             hetero = HeteroStrategy(
                 stages=["cpu"] * PROCESSES, cpu_workers=0, micro_batches=micro_batches, schedule=schedule, start_method="fork"
             )
-            return step_times(hetero, MLP(width=width), loader, steps)
+            return step_times(hetero, MLP(width=width), loader, steps, callbacks=[OneCorePerRank(PROCESSES)])
 
         configs[f"{schedule}/hetero"] = strategy
         if schedule not in ("GPipe", "1F1B"):
