@@ -208,8 +208,9 @@ class PairedRatio:
 def paired_ratio(numerator: list[list[float]], denominator: list[list[float]]) -> PairedRatio:
     """``numerator`` over ``denominator``, each repeat's median step over the other's in the same
     repeat (run next to it, so a drift of the machine's speed between repeats cancels), then the
-    median of those ratios. On a shared two-core VM one run's median moves by up to 10%; the
-    repeats' ratios show how far a ratio can be trusted."""
+    median of those ratios. On a shared two-core VM one run's median moves from the next's by up
+    to 30% (10% with one core per process, ``pin_rank``); the repeats' ratios show how far a ratio
+    can be trusted."""
     ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(numerator, denominator, strict=True)]
     return PairedRatio(statistics.median(ratios), min(ratios), max(ratios))
 

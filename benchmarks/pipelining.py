@@ -4,16 +4,16 @@ Both run the same MLP cut at the same place into two emulated stages (two proces
 machine's cores, gloo between them), on the same batches, with the same schedule and micro-batch
 count and the same AdamW step. The plain loop is what a user would write by hand: build the
 stage, iterate the same DataLoader, run ``schedule.step`` and ``optimizer.step`` per batch; no
-Lightning, no CPU worker. The
-strategy runs with ``cpu_workers=0`` under a Lightning ``Trainer``, so the ratio is what the
-strategy and Lightning's loop add to torch's own pipelining, taken repeat by repeat (the two run
-next to each other; its median and range over the repeats), each process of either side on a core
-of its own where the machine has one for each (``benchmarks.common.pin_rank``). Configurations alternate in one run;
-medians of the per-step times after a warm-up are reported, beside the ideal speedup of a
-``p``-stage pipeline over one device, ``p*m/(m+p-1)``: emulated stages that share two cores do not
-reach it (see DESIGN.md, "Measuring speed"), so it is shown for reference only. A last row
-measures what Lightning's own training loop costs (plain Lightning against the same hand-written
-loop without a pipeline, one process), which every hetero row includes.
+Lightning, no CPU worker. The strategy runs with ``cpu_workers=0`` under a Lightning ``Trainer``,
+so the ratio is what the strategy and Lightning's loop add to torch's own pipelining, taken repeat
+by repeat (the two run next to each other; its median and range over the repeats), each process
+of either side on a core of its own where the machine has one for each
+(``benchmarks.common.pin_rank``). Configurations alternate in one run; medians of the per-step
+times after a warm-up are reported, beside the ideal speedup of a ``p``-stage pipeline over one
+device, ``p*m/(m+p-1)``: emulated stages that share two cores do not reach it (see DESIGN.md,
+"Measuring speed"), so it is shown for reference only. A last row measures what Lightning's own
+training loop costs (plain Lightning against the same hand-written loop without a pipeline, one
+process), which every hetero row includes.
 
     python -m benchmarks.pipelining [--steps N] [--repeats R] [--micro-batches 1 2 4]
 """
