@@ -1,6 +1,7 @@
 """What a rank's process and device are using: CPU utilization, memory, and on CUDA the GPU's
-utilization (NVML, through nvidia-ml-py) and torch's memory counters; and how the process's
-allocator keeps freed memory (``keep_freed_memory``)."""
+utilization (NVML, through nvidia-ml-py) and torch's memory counters; how the process's
+allocator keeps freed memory (``keep_freed_memory``); and a process on the CPU that leaves CUDA
+alone (``leave_cuda_rng_alone``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import psutil
 import torch
 
-__all__ = ["device_stats", "keep_freed_memory"]
+__all__ = ["device_stats", "keep_freed_memory", "leave_cuda_rng_alone"]
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +83,24 @@ def keep_freed_memory(mmap_bytes: int = 32 * 2**20, trim_bytes: int = 1024 * 2**
     changed = bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
     log.debug("hetero: malloc keeps freed memory (%s)", changed)
     return changed
+
+
+
+def leave_cuda_rng_alone() -> Callable[[], None]:
+    """In a process that trains on the CPU beside GPU stages: Lightning's fit saves and restores the
+    random state around its sanity check (``isolate_rng`` in ``Trainer._run_stage``) with every
+    GPU's wherever ``torch.cuda.is_available()``, which starts CUDA, and the context that starts
+    holds GPU memory for a process that never uses the GPU. From now on that leaves CUDA's state
+    out (what Lightning offers for forked processes, ``include_cuda=False``); returns what puts
+    Lightning's back. Nothing changes where CUDA had already started in the process."""
+    import lightning.pytorch.trainer.trainer as trainer_module
+
+    isolate = getattr(trainer_module, "isolate_rng", None)
+    if isolate is None or torch.cuda.is_initialized():
+        return lambda: None
+    trainer_module.isolate_rng = partial(isolate, include_cuda=False)
+
+    def restore() -> None:
+        trainer_module.isolate_rng = isolate
+
+    return restore

@@ -48,7 +48,7 @@ from lightning_hetero.accelerator import HeteroAccelerator
 from lightning_hetero.checkpoints import StageCheckpoints
 from lightning_hetero.collectives import ControlCollectives
 from lightning_hetero.data import loader_batch_size, same_batches_on_every_rank, with_workers
-from lightning_hetero.devices import keep_freed_memory
+from lightning_hetero.devices import keep_freed_memory, leave_cuda_rng_alone
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
@@ -176,6 +176,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._engine: Optional[StepEngine] = None
         self._copies_checked = True
         self._unguard: Callable[[], None] = _nothing
+        self._cuda_rng_back: Callable[[], None] = _nothing
         self._planner: Optional[Planner] = None
 
     @property
@@ -296,6 +297,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         gone = self.launcher.ranks_gone if isinstance(self.launcher, HeteroLauncher) else None
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone)
         log.debug("hetero: %s joined its process groups", name)
+        if self.root_device.type == "cpu":
+            self._cuda_rng_back = leave_cuda_rng_alone()
         self._set_threads()
         self.precision_plugin.use_device(self.root_device)
         trainer = self.lightning_module.trainer
@@ -505,6 +508,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def teardown(self) -> None:
         self._unguard()
         self._unguard = _nothing
+        self._cuda_rng_back()
+        self._cuda_rng_back = _nothing
         if self._engine is not None:
             self._engine.close()
             finished = self.lightning_module.trainer.state.status == TrainerStatus.RUNNING  # not `_interrupt`ed

@@ -372,6 +372,31 @@ def test_a_fork_from_a_process_that_started_cuda_is_refused_before_any_rank_star
             trainer(strategy, max_steps=1).fit(Net(), regression_data())
 
 
+def test_a_rank_on_the_cpu_of_a_gpu_machine_leaves_cuda_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with a GPU (emulated here: a CUDA build that counts one device), Lightning's fit
+    saves every GPU's random state around its sanity check, which starts CUDA: the ranks on the CPU
+    leave it out (the GPU machine's CUDA test checks the whole fit with a real GPU stage beside a
+    CPU worker), and a process's later plain fit saves it again."""
+    import lightning.pytorch.trainer.trainer as trainer_module
+
+    def refuse() -> list:
+        raise RuntimeError("a rank on the CPU asked for every GPU's random state, which starts CUDA")
+
+    fit = trainer(hetero(stages=["cpu", "cpu"], cpu_fraction=0.5), max_steps=2)
+    isolate = trainer_module.isolate_rng
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", refuse)
+    assert torch.cuda.is_available()  # as on a GPU machine
+    fit.fit(Net(), regression_data())
+    from lightning_hetero.devices import leave_cuda_rng_alone
+
+    back = leave_cuda_rng_alone()  # in this process, as in a rank's
+    assert trainer_module.isolate_rng.keywords == {"include_cuda": False}
+    back()
+    assert trainer_module.isolate_rng is isolate
+
+
 class _Alarm:
     """Fails the block after ``seconds`` (SIGALRM) instead of letting a hang stall the suite."""
 
