@@ -244,7 +244,7 @@ class GpuWaits(L.Callback):
     """On a rank on the GPU, in steps 2 to 4, every wait for the GPU (torch's sync debug mode) from
     the step's start until its results are in (Lightning's `on_before_backward`, which follows the
     strategy's `training_step`), each as the package's and Lightning's frames that made it; written
-    to ``waits<rank>.json``."""
+    to ``waits<rank>.json``. The wait that switching the mode on makes (at its first switch) is not the step's."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.steps, self._saved = out, [], None
@@ -264,8 +264,9 @@ class GpuWaits(L.Callback):
             self._saved = None
 
     def _note(self, message: Any, *rest: Any) -> None:
-        if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "lightning" in f.filename and "test_" not in f.filename]
+        stack = traceback.extract_stack()[:-1]
+        if "synchroniz" in str(message) and not any(f.name == "set_sync_debug_mode" for f in stack):  # not the switch's own
+            frames = [f for f in stack if "lightning" in f.filename and "test_" not in f.filename]
             self.steps[-1].append(" <- ".join(f"{Path(f.filename).name}:{f.name}" for f in reversed(frames[-6:])))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
