@@ -7,6 +7,9 @@ measured side by side in one run.
   leaves) and ``AdaptiveRebalancer``, which starts the CPU at 0 and gives it the share it earns.
   Measured over the second half of the run, once the rebalancer has settled. The goal is never
   below 1.00: where the CPU does not help, its share falls to 0.
+- **Where the rebalanced row's gap comes from**: the same with the CPU worker's share held at 0
+  (``cpu_fraction=0.0``, no rebalancer), with its torch threads as the strategy gives them and with
+  one (``cpu_threads=1``), and the GPU stage under hetero with no CPU worker (``cpu_workers=0``).
 - **Fine mode, every bucket offloaded / GPU alone**: step time, and the GPU's peak memory beside it
   (the optimizer state lives in CPU memory).
 - **torchao's CPUOffloadOptimizer / GPU alone**: the same model under plain Lightning on the GPU,
@@ -22,7 +25,7 @@ synchronized at both ends (a plain GPU run queues its kernels ahead). Hetero run
 processes from a forkserver, since this process has used CUDA (the GPU-alone runs). Where there is no
 CUDA device, every row says so.
 
-    python -m benchmarks.cuda [--steps N] [--repeats R]
+    python -m benchmarks.cuda [--steps N] [--repeats R] [--models NAME] [--configs gpu,idle,...]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -38,8 +42,10 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
@@ -54,6 +60,9 @@ DEFAULTS = dict(steps=200, repeats=2)
 NO_CUDA = "not run: no CUDA device on this machine"
 NAMES = {
     "rebalanced": "CPU worker + GPU, rebalanced / GPU alone (samples/s)",
+    "idle": "CPU worker idle + GPU / GPU alone (samples/s)",
+    "idle1": "CPU worker idle with one torch thread + GPU / GPU alone (samples/s)",
+    "alone": "the GPU stage alone under hetero / GPU alone (samples/s)",
     "offload": "fine mode, every bucket offloaded / GPU alone (step time)",
     "torchao": "fine mode, every bucket offloaded / torchao CPUOffloadOptimizer (step time)",
     "deepspeed": "fine mode, every bucket offloaded / DeepSpeed ZeRO-Offload, stage 2 (step time)",
@@ -121,8 +130,11 @@ class SyncProbe(L.Callback):
     def _note(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
         if "synchroniz" not in str(message):
             return self._saved[0](message, category, filename, lineno, *rest)
+        stack = traceback.extract_stack()[:-1]
+        if any(f.name == "set_sync_debug_mode" for f in stack):  # switching the mode on, not the step
+            return None
         # The innermost frames of the library, Lightning and torch's Python that led to the wait.
-        frames = [f for f in traceback.extract_stack()[:-1] if "benchmarks" not in f.filename and "warnings" not in f.filename]
+        frames = [f for f in stack if "benchmarks" not in f.filename and "warnings" not in f.filename]
         self.sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))] += 1
 
 
@@ -183,11 +195,14 @@ def _deepspeed(model: L.LightningModule, loader: DataLoader, steps: int) -> dict
     """ZeRO-Offload's run, in this process (DeepSpeed starts a process group of one, taken down after)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    try:
-        return _run(DeepSpeedStrategy(stage=2, offload_optimizer=True), with_deepspeed_cpu_adam(model), loader, steps)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    # Lightning's DeepSpeedStrategy sets RANK, WORLD_SIZE and LOCAL_RANK in this process's
+    # environment, after which a fit takes its processes as launched from outside and waits for them.
+    with mock.patch.dict(os.environ):
+        try:
+            return _run(DeepSpeedStrategy(stage=2, offload_optimizer=True), with_deepspeed_cpu_adam(model), loader, steps)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, **kwargs: Any) -> dict[str, Any]:
@@ -204,13 +219,18 @@ def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int
     return {"step": facts[0]["step"], "facts": facts}
 
 
-def measure(steps: int, repeats: int, smoke: bool = False, only: str = "") -> Iterator[dict[str, Any]]:
-    """Per model (those whose name holds ``only``), as each is measured: every configuration's runs, alternated."""
+def measure(steps: int, repeats: int, smoke: bool = False, only: str = "", configs: str = "") -> Iterator[dict[str, Any]]:
+    """Per model (those whose name holds ``only``), as each is measured: every configuration's runs
+    (those named in ``configs``, comma-separated, where given; ``gpu`` always), alternated."""
     for name, model, loader in models(smoke):
         if only not in name:
             continue
         every = max(4, steps // 20)  # the rebalancer measures every_n_steps - warmup_steps (2) steps a decision
-        configs: dict[str, Callable[[], Any]] = {
+        def idle(**kwargs: Any) -> Callable[[], Any]:
+            strategy = partial(HeteroStrategy, stages=["cuda:0"], cpu_fraction=0.0, start_method="forkserver", **kwargs)
+            return lambda: _run(strategy(), model(), loader(steps), steps)
+
+        runners: dict[str, Callable[[], Any]] = {
             "gpu": lambda: _run(None, model(), loader(steps), steps),
             "rebalanced": lambda: _run(
                 HeteroStrategy(stages=["cuda:0"], cpu_workers=1, start_method="forkserver"),
@@ -219,6 +239,9 @@ def measure(steps: int, repeats: int, smoke: bool = False, only: str = "") -> It
                 steps,
                 callbacks=[AdaptiveRebalancer(every_n_steps=every)],
             ),
+            "idle": idle(cpu_workers=1),
+            "idle1": idle(cpu_workers=1, cpu_threads=1),
+            "alone": idle(cpu_workers=0),
             "offload": lambda: _run(
                 HeteroStrategy(stages=["cuda:0"], cpu_workers=0, mode="fine", offload="all", start_method="forkserver"),
                 model(),
@@ -227,12 +250,14 @@ def measure(steps: int, repeats: int, smoke: bool = False, only: str = "") -> It
             ),
         }
         if importlib.util.find_spec("torchao") is not None:
-            configs["torchao"] = lambda: _run(None, with_torchao_offload(model()), loader(steps), steps)
+            runners["torchao"] = lambda: _run(None, with_torchao_offload(model()), loader(steps), steps)
         if importlib.util.find_spec("deepspeed") is not None:
-            configs["deepspeed"] = lambda: _deepspeed(model(), loader(steps), steps)
-        runs: dict[str, list[Any]] = {name: [] for name in configs}
+            runners["deepspeed"] = lambda: _deepspeed(model(), loader(steps), steps)
+        wanted = set(configs.split(",")) | {"gpu"} if configs else set(runners)
+        runs: dict[str, list[Any]] = {name: [] for name in runners if name in wanted}
         for _ in range(repeats):
-            for config, run in configs.items():
+            for config in runs:
+                run = runners[config]
                 started = time.perf_counter()
                 if config in PEERS:  # a peer that fails says why in its row; the others go on
                     try:
@@ -259,17 +284,27 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
               if config in PEERS and any(isinstance(run, str) for run in runs)}  # fmt: skip
     step = {config: statistics.median(run["step"] for run in runs) for config, runs in r.items()
             if config != "model" and config not in failed}  # fmt: skip
-    fractions = [run["facts"][0]["fraction"] for run in r["rebalanced"]]
-    threads = r["rebalanced"][0]["facts"][0]["threads"]
-    out = [
-        Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", step["gpu"] / step["rebalanced"], ">= 1.00",
-            f"step {step['rebalanced'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; settled CPU fraction"
-            f" {', '.join(f'{f:.2f}' for f in fractions)}; CPU worker threads {threads}; CUDA started on the CPU"
-            f" worker: {'yes' if r['rebalanced'][0]['facts'][0]['cuda_started'] else 'no'}"),
+    out = []
+    if "rebalanced" in step:
+        facts = r["rebalanced"][0]["facts"][0]
+        fractions = ", ".join(f"{run['facts'][0]['fraction']:.2f}" for run in r["rebalanced"])
+        out.append(
+            Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", step["gpu"] / step["rebalanced"], ">= 1.00",
+                f"step {step['rebalanced'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; settled CPU fraction {fractions};"
+                f" CPU worker threads {facts['threads']}; CUDA started on the CPU worker: {'yes' if facts['cuda_started'] else 'no'}")
+        )  # fmt: skip
+    for config in ("idle", "idle1", "alone"):
+        if config in step:
+            threads = f"; CPU worker threads {r[config][0]['facts'][0]['threads']}" if config != "alone" else ""
+            out.append(Row("CUDA", f"{r['model']}: {NAMES[config]}", step["gpu"] / step[config], "",
+                           f"step {step[config] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms{threads}"))  # fmt: skip
+    if "offload" not in step:
+        return out
+    out.append(
         Row("CUDA", f"{r['model']}: {NAMES['offload']}", step["offload"] / step["gpu"], "",
             f"step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
-            f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB"),
-    ]
+            f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB")
+    )  # fmt: skip
     for peer, label in (("torchao", "torchao"), ("deepspeed", "DeepSpeed")):
         if peer in step:
             out.append(
@@ -278,7 +313,7 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
             )  # fmt: skip
         elif peer in failed:
             out.append(Row("CUDA", f"{r['model']}: {NAMES[peer]}", math.nan, "", f"not run: {failed[peer]}"))
-        else:
+        elif importlib.util.find_spec(peer) is None:
             out.append(Row("CUDA", f"{r['model']}: {NAMES[peer]}", math.nan, "", f"not run: {peer} is not installed"))
     return out
 
@@ -341,6 +376,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--repeats", type=int, default=DEFAULTS["repeats"])
     parser.add_argument("--models", default="", help="only the models whose name holds this (e.g. 'GPT')")
+    parser.add_argument("--configs", default="", help="only these configurations, comma-separated (e.g. 'idle,alone'; gpu always)")
     parser.add_argument("--no-analyzer", action="store_true", help="leave out the analyzer's row")
     parser.add_argument("--profile", type=Path, help="instead: profile the small GPT's steps, hetero and the GPU alone, into this folder")
     args = parser.parse_args()
@@ -350,7 +386,7 @@ def main() -> None:
     if args.profile is not None:
         profile(args.profile)
         return
-    for r in measure(steps=args.steps, repeats=args.repeats, only=args.models):  # each model's rows once measured
+    for r in measure(steps=args.steps, repeats=args.repeats, only=args.models, configs=args.configs):  # each model's rows once measured
         for row in model_rows(r):
             print(f"{row.configuration:100s} {row.ratio:7.3f}  {row.note}", flush=True)
     if not args.no_analyzer:
