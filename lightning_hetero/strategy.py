@@ -272,6 +272,20 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = HeteroLauncher(self, start_method=self._start_method)
+            return
+        # Started from outside (`LOCAL_RANK` is set): a launcher's `WORLD_SIZE` must fit the layout,
+        # else this process would wait for processes that never come.
+        started = os.environ.get("WORLD_SIZE", "")
+        if started.isdigit():
+            try:
+                self.topology.check_world_size(int(started))
+            except RuntimeError as error:
+                error.add_note(
+                    "[hetero] `LOCAL_RANK` and `WORLD_SIZE` in this process's environment say a launcher started it. If"
+                    " none did, an earlier run in this process left them there (Lightning's DeepSpeedStrategy sets"
+                    " `RANK`, `LOCAL_RANK` and `WORLD_SIZE`): remove them from `os.environ` before this fit."
+                )
+                raise
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
+from unittest import mock
 
 import lightning as L
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
@@ -203,6 +204,12 @@ def as_python_c(run: Callable[[], Any]) -> Any:
         return run()
     finally:
         sys.argv = before
+
+
+def with_environment(variables: dict[str, str], run: Callable[[], Any]) -> Any:
+    """``run()`` with ``variables`` set in the environment (as an earlier run in the process may leave them)."""
+    with mock.patch.dict(os.environ, variables):
+        return run()
 
 
 def as_node_zero(run: Callable[[], Any]) -> Any:
@@ -422,6 +429,10 @@ CASES = {
         lambda _: fit(WithClosureOptimizer(), strategy=hetero(mode="fine")),
         "`ClosureOptimizer.step` calls its closure (it evaluates the loss again), which fine mode cannot give it",
         in_run=True,
+    ),
+    "an-environment-left-by-deepspeed": Bad(
+        lambda _: with_environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}, fit),
+        "needs 3 processes, but the launcher started 1. Start 3 processes per node",
     ),
     "a-node-never-starts": Bad(
         lambda _: as_node_zero(lambda: fit(strategy=hetero(timeout=2), num_nodes=2)),
