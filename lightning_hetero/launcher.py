@@ -119,6 +119,34 @@ _CUDA_STARTED_BEFORE_FORK = (
     " class importable; forkserver starts the ranks of every fit after the first in a fraction of a second)."
 )
 
+_THREADS_AFTER_FORK = (
+    "This process has already run multi-threaded torch work, and a process forked from it hangs at its first"
+    " multi-threaded operation (torch's OpenMP keeps the threads of that work, which a fork does not copy): a"
+    " probe forked just now did. The ranks would hang there, on the CPU workers and any emulated stage. Start the"
+    " ranks with start_method='popen' (from a script), or 'forkserver' or 'spawn' (with the model's class"
+    " importable), or restart the Python process (the notebook's kernel) and fit before any other torch work, or"
+    " call `torch.set_num_threads(1)` before that work."
+)
+
+
+def _parallel_op() -> None:
+    torch.set_num_threads(2)
+    torch.ones(1 << 17).sum()  # above torch's grain size: run by an OpenMP team of two
+
+
+def forked_threads_work(timeout: float = 10.0) -> bool:
+    """Whether a process forked from this one can run a multi-threaded torch operation: not where
+    this process has run one (GNU OpenMP's thread pool outlives its work, and a forked child waits
+    for pool threads it does not have). A forked probe runs one, and is killed after ``timeout`` s."""
+    probe = mp.get_context("fork").Process(target=_parallel_op, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    if probe.is_alive():
+        probe.kill()
+        probe.join()
+        return False
+    return True
+
 
 class _ResultsFile(NamedTuple):
     """Where global rank 0 of a fork or spawn launch wrote the trainer call's results for the main process."""
@@ -154,6 +182,8 @@ class _Processes(_MultiProcessingLauncher):
             _check_bad_cuda_fork()  # Lightning's: whether this process is itself a bad fork
             if self._start_method == "fork" and torch.cuda.is_initialized():  # whether its children would be
                 raise RuntimeError(_CUDA_STARTED_BEFORE_FORK)
+            if self._start_method == "fork" and not forked_threads_work():
+                raise RuntimeError(_THREADS_AFTER_FORK)
         if self._start_method == "spawn":
             _check_missing_main_guard()
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:

@@ -336,6 +336,27 @@ def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
     assert done.returncode == 0 and "start method fork" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("threads_used", [True, False], ids=["after-multi-threaded-work", "first"])
+def test_a_fork_after_multi_threaded_work_is_refused_before_any_rank_starts(threads_used: bool) -> None:
+    """torch's OpenMP keeps the threads of a multi-threaded operation, and a process forked after
+    one hangs at its own first (the ranks would, on their first step's larger operations, until the
+    timeout): the fit says so, and what to do, before it forks. In a process of its own, since this
+    one must stay fit to fork the rest of the suite's ranks."""
+    code = (
+        "import torch; torch.set_num_threads(2);"
+        + ("torch.ones(1 << 17).sum();" if threads_used else "")
+        + "from tests.conftest import hetero, trainer; from tests.models import Net, regression_data;"
+        "trainer(hetero(stages=['cpu', 'cpu'], cpu_fraction=0.5), max_steps=2).fit(Net(), regression_data()); print('fit')"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
+    if threads_used:
+        assert done.returncode != 0 and "already run multi-threaded torch work" in done.stderr, done.stderr[-2000:]
+        assert "start_method='popen'" in done.stderr and "fit" not in done.stdout
+    else:
+        assert done.returncode == 0 and "fit" in done.stdout, done.stderr[-2000:]
+
+
 def test_a_rank_forked_after_the_main_process_started_cuda_says_why_cuda_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch refuses CUDA to a process forked from one that had started it: the rank's error says
     what that means here and what to do. Other CUDA errors pass through as they are."""
