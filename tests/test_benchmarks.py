@@ -34,3 +34,19 @@ def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
         else:
             assert 0 < float(value) < math.inf
     assert sum(line[0].lstrip("| ") == "CUDA" for line in lines) == len(CUDA_NAMES) + 2  # + the analyzer's, largest
+
+
+def test_the_cuda_rows_are_those_of_the_configurations_run() -> None:
+    """`python -m benchmarks.cuda --configs idle,alone` measures the GPU alone and those two only:
+    their rows come out, and none for what did not run (no GPU is needed to make the rows)."""
+    from benchmarks.cuda import model_rows
+
+    def run(step: float, threads: int = 15) -> dict:
+        return {"step": step, "facts": [{"fraction": 0.0, "threads": threads, "peak_mb": None, "cuda_started": False}]}
+
+    rows = model_rows({"model": "MLP", "gpu": [run(0.004)], "idle": [run(0.008)], "alone": [run(0.005)]})
+    assert [(row.configuration, round(row.ratio, 3)) for row in rows] == [
+        (f"MLP: {CUDA_NAMES['idle']}", 0.5),
+        (f"MLP: {CUDA_NAMES['alone']}", 0.8),
+    ]
+    assert "CPU worker threads 15" in rows[0].note and "threads" not in rows[1].note
