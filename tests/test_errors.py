@@ -214,15 +214,7 @@ def with_environment(variables: dict[str, str], run: Callable[[], Any]) -> Any:
 
 def as_node_zero(run: Callable[[], Any]) -> Any:
     """``run()`` as node 0 of several, started with the strategy's own launch (``NODE_RANK`` set)."""
-    before = os.environ.get("NODE_RANK")
-    os.environ["NODE_RANK"] = "0"
-    try:
-        return run()
-    finally:
-        if before is None:
-            del os.environ["NODE_RANK"]
-        else:
-            os.environ["NODE_RANK"] = before
+    return with_environment({"NODE_RANK": "0"}, run)
 
 
 def plan_file(directory: Path, **changes: Any) -> Path:
