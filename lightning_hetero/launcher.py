@@ -24,6 +24,7 @@ first, its role, and why. A process that hangs without failing is ended by the s
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import pickle
@@ -199,13 +200,14 @@ class _Processes(_MultiProcessingLauncher):
         process_args = [trainer, function, args, kwargs, return_queue]
         if self._start_method == "spawn":
             process_args.append(_GlobalStateSnapshot.capture())
-        context = mp.start_processes(
-            self._wrapping_function,
-            args=process_args,
-            nprocs=self._strategy.num_processes,
-            start_method=self._start_method,
-            join=False,
-        )
+        with _frozen_for_fork(self._start_method):
+            context = mp.start_processes(
+                self._wrapping_function,
+                args=process_args,
+                nprocs=self._strategy.num_processes,
+                start_method=self._start_method,
+                join=False,
+            )
         self.procs = context.processes
         with _passing_sigterm_to(context.processes):
             try:
@@ -294,6 +296,28 @@ def _preload_forkserver(module: Optional[LightningModule]) -> None:
     if origin != "__main__":  # the main module is the one the server cannot import by name
         modules.append(origin)
     mp.get_context("forkserver").set_forkserver_preload(modules)
+
+
+@contextmanager
+def _frozen_for_fork(start_method: str) -> Iterator[None]:
+    """Forks made inside leave the objects this process holds out of their garbage collections.
+
+    A forked rank inherits every object of the main process (about 400,000 once torch and
+    Lightning are imported). Its first full collection, which comes in its first training steps,
+    walks all of them and writes to each one's header: 0.3 s in which the rank stops (0.2 s in the
+    main process, which owns those pages), and a private copy of every page they sit on. As
+    Python's documentation of ``gc.freeze`` advises before a fork, they are frozen while the ranks
+    are forked: the ranks never walk them, and the main process unfreezes its own straight after.
+    Where something here has frozen objects already, it manages that itself and is left alone.
+    """
+    if start_method != "fork" or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager
