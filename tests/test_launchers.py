@@ -420,18 +420,21 @@ def test_a_rank_on_the_cpu_of_a_gpu_machine_leaves_cuda_alone(monkeypatch: pytes
 
 
 class _FreezeCount(L.Callback):
-    """Fails the fit where a rank's garbage collections would walk what it inherited from the main process."""
+    """Fails the fit where a rank's garbage collections would walk what it inherited from its parent."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        assert gc.get_freeze_count() > 0, "a forked rank's collections walk every object of the main process"
+        assert gc.get_freeze_count() > 0, "a forked rank's collections walk every object of its parent"
 
 
-def test_forked_ranks_leave_the_main_processs_objects_out_of_their_collections() -> None:
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_forked_ranks_leave_the_main_processs_objects_out_of_their_collections(start_method: str) -> None:
     """A forked rank's first full collection would walk (and copy the pages of) every object it
     inherited: 0.3 s in its first steps. They are frozen for the fork, and unfrozen after it in the
-    main process, whose own collections go on as before."""
+    main process, whose own collections go on as before; a forkserver freezes its own once it has
+    imported the package and the model's module."""
     assert gc.get_freeze_count() == 0
-    fit = trainer(hetero(stages=["cpu", "cpu"], cpu_fraction=0.5), max_steps=2, callbacks=[_FreezeCount()])
+    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.5, start_method=start_method)
+    fit = trainer(strategy, max_steps=2, callbacks=[_FreezeCount()])
     fit.fit(Net(), regression_data())
     assert gc.get_freeze_count() == 0
 
