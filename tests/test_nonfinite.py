@@ -15,7 +15,7 @@ import torch
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_hetero import HeteroStrategy
-from lightning_hetero.finite import finite_flag
+from lightning_hetero.finite import _finite_by_max_abs, finite_flag
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, column, read_metrics, regression_data
 
@@ -123,9 +123,12 @@ def test_policy_argument() -> None:
         HeteroStrategy(nonfinite="ignore")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("check", [finite_flag, _finite_by_max_abs], ids=["cpu", "the-gpus-check"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf, "inf-and-minus-inf"])
-def test_finite_flag_finds_any_nan_or_inf(dtype: torch.dtype, bad: object) -> None:
+def test_finite_flag_finds_any_nan_or_inf(check: Any, dtype: torch.dtype, bad: object) -> None:
+    """Both checks, the CPU's sum and a GPU's largest absolute value (run here on CPU tensors), on
+    tensors of every kind, an empty one among them (a parameter with no elements)."""
     tensors = [torch.randn(7, 5, dtype=dtype), torch.randn(300, dtype=dtype), torch.zeros(0, dtype=dtype)]
     # The largest finite values of a half-precision type sum far beyond it: not mistaken for Inf.
     tensors.append(torch.full((1000,), torch.finfo(dtype).max if dtype.itemsize < 4 else 1.0, dtype=dtype))
@@ -133,5 +136,7 @@ def test_finite_flag_finds_any_nan_or_inf(dtype: torch.dtype, bad: object) -> No
         tensors[1][3], tensors[1][9] = math.inf, -math.inf
     elif bad is not None:
         tensors[0][4, 2] = bad
-    assert bool(finite_flag(tensors)) is (bad is None)
+    assert bool(check(tensors)) is (bad is None)
+    assert bool(check([torch.zeros(0, dtype=dtype)])) is True
+    assert bool(check([torch.ones(3, dtype=torch.float32), torch.tensor([1.0, math.nan], dtype=dtype)])) is False
     assert bool(finite_flag([])) is True
