@@ -112,12 +112,13 @@ def resolve_start_method(start_method: str) -> str:
 
 
 _CUDA_STARTED_BEFORE_FORK = (
-    "This process has already started CUDA, and ranks forked from it cannot use it (torch refuses), not even"
-    " CPU-only ones: on a machine with a GPU every rank's fit touches CUDA (Lightning saves the CUDA random"
-    " state around its sanity check). Any Trainer's fit starts it there, even on the CPU, as does a tensor put"
-    " on the GPU. Restart the Python process (the notebook's kernel) and make this fit the first use of CUDA,"
-    " or start the ranks with start_method='popen' (from a script), or 'forkserver' or 'spawn' (with the model's"
-    " class importable; forkserver starts the ranks of every fit after the first in a fraction of a second)."
+    "This process has already started CUDA, and ranks forked from it cannot use it (torch refuses to start it"
+    " again in a forked process): a GPU stage could not run, nor could anything on a CPU rank that reaches for"
+    " the GPU. On a machine with a GPU any Trainer's fit starts CUDA, even on the CPU (Lightning saves the CUDA"
+    " random state around its sanity check), as does a tensor put on the GPU. Restart the Python process (the"
+    " notebook's kernel) and make this fit the first use of CUDA, or start the ranks with start_method='popen'"
+    " (from a script), or 'forkserver' or 'spawn' (with the model's class importable; forkserver starts the"
+    " ranks of every fit after the first in a fraction of a second)."
 )
 
 _THREADS_AFTER_FORK = (
