@@ -86,12 +86,13 @@ def keep_freed_memory(mmap_bytes: int = 32 * 2**20, trim_bytes: int = 1024 * 2**
 
 
 def leave_cuda_rng_alone() -> Callable[[], None]:
-    """In a process that trains on the CPU (beside GPU stages, or emulated ones): Lightning's fit saves and restores the
-    random state around its sanity check (``isolate_rng`` in ``Trainer._run_stage``) with every
-    GPU's wherever ``torch.cuda.is_available()``, which starts CUDA, and the context that starts
-    holds GPU memory for a process that never uses the GPU. From now on that leaves CUDA's state
-    out (what Lightning offers for forked processes, ``include_cuda=False``); returns what puts
-    Lightning's back. Nothing changes where CUDA had already started in the process."""
+    """In a process that trains on the CPU (beside GPU stages, or emulated ones): Lightning's fit
+    saves and restores the random state around its sanity check (``isolate_rng`` in
+    ``Trainer._run_stage``) with every GPU's wherever ``torch.cuda.is_available()``, which starts
+    CUDA, and the context that starts holds GPU memory for a process that never uses the GPU. From
+    now on that leaves CUDA's state out (what Lightning offers for forked processes,
+    ``include_cuda=False``); returns what puts Lightning's back. Nothing changes where CUDA had
+    already started in the process."""
     import lightning.pytorch.trainer.trainer as trainer_module
 
     isolate = getattr(trainer_module, "isolate_rng", None)
