@@ -9,7 +9,9 @@ measured side by side in one run.
   below 1.00: where the CPU does not help, its share falls to 0.
 - **Where the rebalanced row's gap comes from**: the same with the CPU worker's share held at 0
   (``cpu_fraction=0.0``, no rebalancer), with its torch threads as the strategy gives them and with
-  one (``cpu_threads=1``), and the GPU stage under hetero with no CPU worker (``cpu_workers=0``).
+  one (``cpu_threads=1``), the GPU stage under hetero with no CPU worker (``cpu_workers=0``), and
+  plain Lightning on the GPU in a process of its own started as the stage's is, with its one torch
+  thread (``child``): what the process costs, apart from what the strategy does.
 - **Fine mode, every bucket offloaded / GPU alone**: step time, and the GPU's peak memory beside it
   (the optimizer state lives in CPU memory).
 - **torchao's CPUOffloadOptimizer / GPU alone**: the same model under plain Lightning on the GPU,
@@ -20,10 +22,14 @@ measured side by side in one run.
   Adam is a C++ extension compiled at its first use (a C++ compiler and ninja are needed); where
   that fails, the row says why.
 
-Step times come from the wall clock between the middle and the end of the run, with the GPU
-synchronized at both ends (a plain GPU run queues its kernels ahead). Hetero runs start their
-processes from a forkserver, since this process has used CUDA (the GPU-alone runs). Where there is no
-CUDA device, every row says so.
+Each ratio is of median steps over the second half of the run, each step's wall time on the host of
+the rank that drives the GPU; the note beside it gives the mean over the same steps (the wall clock
+between the middle and the end, the GPU synchronized at both ends: a plain GPU run queues its kernels
+ahead) and the garbage collections that ran in them. A process's one full collection of the objects
+torch and Lightning make takes a few hundred milliseconds: in a run of 100 steps of 4 ms that is
+half again on the mean, and in a long run nothing. Hetero runs start their processes from a
+forkserver, since this process has used CUDA (the GPU-alone runs). Where there is no CUDA device,
+every row says so.
 
     python -m benchmarks.cuda [--steps N] [--repeats R] [--models NAME] [--configs gpu,idle,...]
 """
@@ -31,9 +37,11 @@ CUDA device, every row says so.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -42,6 +50,7 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +64,7 @@ from benchmarks.common import Row, step_times
 from benchmarks.planner import digits_loader, token_loader
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer
+from lightning_hetero.launcher import _preload_forkserver
 
 DEFAULTS = dict(steps=200, repeats=2)
 NO_CUDA = "not run: no CUDA device on this machine"
@@ -63,6 +73,7 @@ NAMES = {
     "idle": "CPU worker idle + GPU / GPU alone (samples/s)",
     "idle1": "CPU worker idle with one torch thread + GPU / GPU alone (samples/s)",
     "alone": "the GPU stage alone under hetero / GPU alone (samples/s)",
+    "child": "plain Lightning on the GPU in a forkserver process with one torch thread / GPU alone (samples/s)",
     "offload": "fine mode, every bucket offloaded / GPU alone (step time)",
     "torchao": "fine mode, every bucket offloaded / torchao CPUOffloadOptimizer (step time)",
     "deepspeed": "fine mode, every bucket offloaded / DeepSpeed ZeRO-Offload, stage 2 (step time)",
@@ -71,11 +82,18 @@ NAMES = {
 
 class Facts(L.Callback):
     """Each rank writes, at the end of the fit, its CPU fraction, threads, peak GPU memory and whether
-    it started CUDA; rank 0 also the mean step time from the middle of the run to its end."""
+    it started CUDA, and over the steps from the middle of the run to its end: the mean step (the
+    wall clock between the two, the GPU synchronized at both ends), the median step (each step's
+    wall time on the host), and the garbage collections that ran, with their time. A one-off full
+    collection of a process's objects (a few hundred milliseconds where torch and Lightning are
+    imported) weighs in a short run's mean as a few milliseconds a step, and in its median not at all."""
 
     def __init__(self, out: Path, start: int) -> None:
         self.out, self.start = out, start
         self._t0: float | None = None
+        self._ends: list[float] = []
+        self._collections: list[tuple[int, float]] = []
+        self._collecting: float | None = None
 
     @staticmethod
     def _now(trainer: L.Trainer) -> float:
@@ -83,19 +101,37 @@ class Facts(L.Callback):
             torch.cuda.synchronize(trainer.strategy.root_device)
         return time.perf_counter()
 
+    def _collection(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._collecting = time.perf_counter()
+        elif self._collecting is not None:
+            self._collections.append((info["generation"], time.perf_counter() - self._collecting))
+            self._collecting = None
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.start and self._t0 is None:
             self._t0 = self._now(trainer)
+            self._ends = [self._t0]
+            gc.callbacks.append(self._collection)
+        elif self._t0 is not None:
+            self._ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         cuda = trainer.strategy.root_device.type == "cuda"
         end = self._now(trainer)
+        if self._collection in gc.callbacks:
+            gc.callbacks.remove(self._collection)
+        steps = [b - a for a, b in zip(self._ends, self._ends[1:])]
         facts = {
+            "device": trainer.strategy.root_device.type,
             "fraction": getattr(trainer.strategy, "cpu_fraction", 0.0),
             "threads": torch.get_num_threads(),
             "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "cuda_started": torch.cuda.is_initialized(),  # on a CPU worker: a CUDA context it holds for nothing
             "step": (end - self._t0) / (trainer.global_step - self.start) if self._t0 is not None else None,
+            "median_step": statistics.median(steps) if steps else None,
+            "gc_ms": 1e3 * sum(seconds for _, seconds in self._collections),
+            "full_gcs": sum(generation == 2 for generation, _ in self._collections),
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
 
@@ -205,24 +241,48 @@ def _deepspeed(model: L.LightningModule, loader: DataLoader, steps: int) -> dict
                 torch.distributed.destroy_process_group()
 
 
-def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, **kwargs: Any) -> dict[str, Any]:
-    """The mean step time of the second half of a fit (the GPU synchronized at both ends), and every
-    rank's facts. A strategy other than hetero's trains on the one GPU in this process."""
+def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int, accelerator: str = "gpu", **kwargs: Any) -> dict[str, Any]:
+    """The second half of a fit: its median step and its mean step on the rank that drives the GPU
+    (``Facts``; rank 0 where none does), and every rank's facts. A strategy other than hetero's
+    trains on one ``accelerator`` device in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         if not isinstance(strategy, HeteroStrategy):
-            torch.cuda.reset_peak_memory_stats()
-            kwargs.update(accelerator="gpu", devices=1)
+            if accelerator == "gpu":
+                torch.cuda.reset_peak_memory_stats()
+            kwargs.update(accelerator=accelerator, devices=1)
         callbacks = [Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])]
         step_times(strategy, model, loader, steps, callbacks=callbacks, **kwargs)
         facts = [json.loads(p.read_text()) for p in sorted(out.glob("facts*.json"))]
-    return {"step": facts[0]["step"], "facts": facts}
+    driver = next((f for f in facts if f["device"] == "cuda"), facts[0])
+    return {"median": driver["median_step"], "step": driver["step"], "facts": facts}
+
+
+def _plain_in_child(model: int, steps: int, smoke: bool, accelerator: str, callbacks: list) -> dict[str, Any]:
+    torch.set_num_threads(1)  # as the strategy gives a GPU stage's process (`topology.threads_for`)
+    _, build, loader = models(smoke)[model]
+    return _run(None, build(), loader(steps), steps, accelerator=accelerator, callbacks=callbacks)
+
+
+def plain_in_child(
+    model: int, steps: int, smoke: bool = False, accelerator: str = "gpu", callbacks: list | None = None, start_method: str = "forkserver"
+) -> dict[str, Any]:
+    """The plain run of ``models(smoke)[model]``, in a process of its own started from a forkserver
+    with one torch thread: what the GPU stage's process is, without the strategy. Beside the GPU
+    alone in this process and the GPU stage alone under hetero, it splits the stage's gap into what
+    the process costs and what the strategy does. The forkserver is the one hetero's runs use: where
+    this starts it, it preloads what theirs would (and they then find it running). ``start_method``:
+    another, for a test (a process has one forkserver, whose preload its first user sets)."""
+    if start_method == "forkserver":
+        _preload_forkserver(models(smoke)[model][1]())
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(start_method)) as pool:
+        return pool.submit(_plain_in_child, model, steps, smoke, accelerator, list(callbacks or [])).result()
 
 
 def measure(steps: int, repeats: int, smoke: bool = False, only: str = "", configs: str = "") -> Iterator[dict[str, Any]]:
     """Per model (those whose name holds ``only``), as each is measured: every configuration's runs
     (those named in ``configs``, comma-separated, where given; ``gpu`` always), alternated."""
-    for name, model, loader in models(smoke):
+    for index, (name, model, loader) in enumerate(models(smoke)):
         if only not in name:
             continue
         every = max(4, steps // 20)  # the rebalancer measures every_n_steps - warmup_steps (2) steps a decision
@@ -232,6 +292,7 @@ def measure(steps: int, repeats: int, smoke: bool = False, only: str = "", confi
 
         runners: dict[str, Callable[[], Any]] = {
             "gpu": lambda: _run(None, model(), loader(steps), steps),
+            "child": lambda: plain_in_child(index, steps, smoke),
             "rebalanced": lambda: _run(
                 HeteroStrategy(stages=["cuda:0"], cpu_workers=1, start_method="forkserver"),
                 model(),
@@ -278,38 +339,54 @@ def _peak(runs: list[dict[str, Any]]) -> float:
     return statistics.median(next(f["peak_mb"] for f in run["facts"] if f["peak_mb"] is not None) for run in runs)
 
 
+def _collections(runs: list[dict[str, Any]]) -> str:
+    """The full garbage collections in the runs' windows on the rank that drives the GPU, and their time."""
+    driver = [next((f for f in run["facts"] if f["device"] == "cuda"), run["facts"][0]) for run in runs]
+    return f"{sum(f['full_gcs'] for f in driver)} full GC(s), {sum(f['gc_ms'] for f in driver):.0f} ms of GC"
+
+
 def model_rows(r: dict[str, Any]) -> list[Row]:
-    """The rows of one model's measurements (a peer that failed: its error, in place of its numbers)."""
+    """The rows of one model's measurements (a peer that failed: its error, in place of its numbers).
+    Each ratio is of median steps (``Facts``); the note gives the means over the window beside them,
+    and the garbage collections that ran there, which a short run's mean weighs and a long run's does not."""
     failed = {config: next(run for run in runs if isinstance(run, str)) for config, runs in r.items()
               if config in PEERS and any(isinstance(run, str) for run in runs)}  # fmt: skip
-    step = {config: statistics.median(run["step"] for run in runs) for config, runs in r.items()
-            if config != "model" and config not in failed}  # fmt: skip
+    measured = {config: runs for config, runs in r.items() if config != "model" and config not in failed}
+    step = {config: statistics.median(run["median"] for run in runs) for config, runs in measured.items()}
+    mean = {config: statistics.median(run["step"] for run in runs) for config, runs in measured.items()}
+
+    def against_gpu(config: str) -> str:
+        return (
+            f"median step {step[config] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; means over the window"
+            f" {mean[config] * 1e3:.2f} vs {mean['gpu'] * 1e3:.2f} ms ({mean['gpu'] / mean[config]:.3f});"
+            f" {_collections(r[config])} vs {_collections(r['gpu'])}"
+        )
+
     out = []
     if "rebalanced" in step:
         facts = r["rebalanced"][0]["facts"][0]
         fractions = ", ".join(f"{run['facts'][0]['fraction']:.2f}" for run in r["rebalanced"])
         out.append(
             Row("CUDA", f"{r['model']}: {NAMES['rebalanced']}", step["gpu"] / step["rebalanced"], ">= 1.00",
-                f"step {step['rebalanced'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; settled CPU fraction {fractions};"
-                f" CPU worker threads {facts['threads']}; CUDA started on the CPU worker: {'yes' if facts['cuda_started'] else 'no'}")
+                f"{against_gpu('rebalanced')}; settled CPU fraction {fractions}; CPU worker threads {facts['threads']};"
+                f" CUDA started on the CPU worker: {'yes' if facts['cuda_started'] else 'no'}")
         )  # fmt: skip
-    for config in ("idle", "idle1", "alone"):
+    for config in ("idle", "idle1", "alone", "child"):
         if config in step:
-            threads = f"; CPU worker threads {r[config][0]['facts'][0]['threads']}" if config != "alone" else ""
-            out.append(Row("CUDA", f"{r['model']}: {NAMES[config]}", step["gpu"] / step[config], "",
-                           f"step {step[config] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms{threads}"))  # fmt: skip
+            threads = f"; CPU worker threads {r[config][0]['facts'][0]['threads']}" if config in ("idle", "idle1") else ""
+            out.append(Row("CUDA", f"{r['model']}: {NAMES[config]}", step["gpu"] / step[config], "", against_gpu(config) + threads))
     if "offload" not in step:
         return out
     out.append(
         Row("CUDA", f"{r['model']}: {NAMES['offload']}", step["offload"] / step["gpu"], "",
-            f"step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
+            f"median step {step['offload'] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; peak GPU memory"
             f" {_peak(r['offload']):.0f} MB offloaded vs {_peak(r['gpu']):.0f} MB")
     )  # fmt: skip
     for peer, label in (("torchao", "torchao"), ("deepspeed", "DeepSpeed")):
         if peer in step:
             out.append(
                 Row("CUDA", f"{r['model']}: {NAMES[peer]}", step["offload"] / step[peer], "",
-                    f"{label} step {step[peer] * 1e3:.2f} ms, peak GPU memory {_peak(r[peer]):.0f} MB")
+                    f"{label} median step {step[peer] * 1e3:.2f} ms, peak GPU memory {_peak(r[peer]):.0f} MB")
             )  # fmt: skip
         elif peer in failed:
             out.append(Row("CUDA", f"{r['model']}: {NAMES[peer]}", math.nan, "", f"not run: {failed[peer]}"))

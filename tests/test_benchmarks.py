@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
 
 from benchmarks.__main__ import BENCHMARKS
 from benchmarks.cuda import NAMES as CUDA_NAMES
@@ -38,15 +43,60 @@ def test_every_benchmark_runs_at_smoke_size(tmp_path: Path) -> None:
 
 def test_the_cuda_rows_are_those_of_the_configurations_run() -> None:
     """`python -m benchmarks.cuda --configs idle,alone` measures the GPU alone and those two only:
-    their rows come out, and none for what did not run (no GPU is needed to make the rows)."""
+    their rows come out, and none for what did not run (no GPU is needed to make the rows). The
+    ratios are of median steps; the means and the collections in the window stand in the note."""
     from benchmarks.cuda import model_rows
 
-    def run(step: float, threads: int = 15) -> dict:
-        return {"step": step, "facts": [{"fraction": 0.0, "threads": threads, "peak_mb": None, "cuda_started": False}]}
+    def run(median: float, mean: float, threads: int = 15, gcs: int = 0) -> dict:
+        facts = {"device": "cuda", "fraction": 0.0, "threads": threads, "peak_mb": 1.0, "cuda_started": True,
+                 "full_gcs": gcs, "gc_ms": 250.0 * gcs}  # fmt: skip
+        return {"median": median, "step": mean, "facts": [facts]}
 
-    rows = model_rows({"model": "MLP", "gpu": [run(0.004)], "idle": [run(0.008)], "alone": [run(0.005)]})
+    rows = model_rows({"model": "MLP", "gpu": [run(0.004, 0.004)], "idle": [run(0.008, 0.008)], "alone": [run(0.005, 0.01, gcs=1)]})
     assert [(row.configuration, round(row.ratio, 3)) for row in rows] == [
         (f"MLP: {CUDA_NAMES['idle']}", 0.5),
         (f"MLP: {CUDA_NAMES['alone']}", 0.8),
     ]
     assert "CPU worker threads 15" in rows[0].note and "threads" not in rows[1].note
+    assert "means over the window 10.00 vs 4.00 ms (0.400); 1 full GC(s), 250 ms of GC vs 0 full GC(s)" in rows[1].note
+
+
+class CollectAt(L.Callback):
+    """Runs a full garbage collection at the end of the given steps, and none other in the fit."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+        self._enabled = True
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._enabled = gc.isenabled()
+        gc.disable()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._enabled:
+            gc.enable()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step in self.steps:
+            gc.collect()
+
+
+@pytest.mark.parametrize("where", ["this-process", "child"])
+def test_the_cuda_benchmarks_facts_time_the_second_half_and_its_collections(where: str) -> None:
+    """`benchmarks.cuda`'s measurement, on the CPU (its GPU runs are the same code): the median and the
+    mean step over the second half of the fit, and the full garbage collections in those steps, not
+    before; `plain_in_child` runs in a process of its own with the one torch thread of a GPU stage
+    (forked here: the forkserver it uses on a GPU machine would be this process's one, whose preload
+    the launcher's tests set)."""
+    from benchmarks import cuda
+
+    collect = CollectAt(2, 9)  # one before the window (it opens at step 6), one in it
+    if where == "this-process":
+        _, build, loader = cuda.models(smoke=True)[0]
+        run = cuda._run(None, build(), loader(12), 12, accelerator="cpu", callbacks=[collect])
+    else:
+        run = cuda.plain_in_child(0, 12, smoke=True, accelerator="cpu", callbacks=[collect], start_method="fork")
+    [facts] = run["facts"]
+    assert facts["device"] == "cpu" and facts["full_gcs"] == 1 and facts["gc_ms"] > 0
+    assert facts["threads"] == (1 if where == "child" else torch.get_num_threads())
+    assert 0 < run["median"] == facts["median_step"] and 0 < run["step"] == facts["step"]
