@@ -20,6 +20,7 @@ purpose (putting an idle CPU beside GPUs); it shows what the strategy costs wher
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 from collections.abc import Callable
 
@@ -65,6 +66,10 @@ def recipes(steps: int, smoke: bool) -> list[tuple[str, Callable[[], L.Lightning
 
 def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict]:
     cores = torch.get_num_threads()
+    # The forkserver that DDP's runs start first is the one hetero's use too: have it import once what
+    # every rank of either needs (the recipes' models, and the package as hetero's launcher would).
+    modules = ["lightning_hetero", "recipes.mlp", "recipes.gpt", "recipes.causal_lm", "lightning_hetero._forkserver_freeze"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
     results = []
     for name, model, batch, loader, layout in recipes(steps, smoke):
         # forkserver: the workers must not fork from this process, which runs torch with threads.
