@@ -101,10 +101,16 @@ def test_slurm_requeue_signal_checkpoints_and_requeues_once(tmp_path: Path, monk
 
 def test_ctrl_c_to_the_main_process_of_a_fork_run_stops_its_ranks(tmp_path: Path) -> None:
     """A notebook's "interrupt kernel" signals the main process alone: its ranks must not train on
-    (they held the run's port, and the next `fit` in the session failed)."""
+    (they held the run's port, and the next `fit` in the session failed). The main process answers
+    SIGINT as Python does by default, as under a terminal or a kernel (a pytest that a shell without
+    job control started in the background inherits SIGINT ignored, and would train on)."""
     callback = SelfSignal(signal.SIGINT, 3, tmp_path, ranks=[2], parent=True)
     before = {p.pid for p in worker_processes()}  # (an earlier test's wandb service may live on)
-    with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt
-        trainer(hetero(cpu_fraction=0.5, timeout=20), max_steps=200, callbacks=[callback]).fit(Net(), regression_data())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt
+            trainer(hetero(cpu_fraction=0.5, timeout=20), max_steps=200, callbacks=[callback]).fit(Net(), regression_data())
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [p for p in worker_processes() if p.pid not in before] == []
     assert max(last_steps(tmp_path)) < 200
