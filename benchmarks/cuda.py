@@ -254,8 +254,13 @@ def _run(strategy: Any, model: L.LightningModule, loader: DataLoader, steps: int
         callbacks = [Facts(out, start=steps // 2), *kwargs.pop("callbacks", [])]
         step_times(strategy, model, loader, steps, callbacks=callbacks, **kwargs)
         facts = [json.loads(p.read_text()) for p in sorted(out.glob("facts*.json"))]
-    driver = next((f for f in facts if f["device"] == "cuda"), facts[0])
+    driver = _driver(facts)
     return {"median": driver["median_step"], "step": driver["step"], "facts": facts}
+
+
+def _driver(facts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a run's ranks' facts, those of the rank that drives the GPU (rank 0's where none does)."""
+    return next((f for f in facts if f["device"] == "cuda"), facts[0])
 
 
 def _plain_in_child(model: int, steps: int, smoke: bool, accelerator: str, callbacks: list) -> dict[str, Any]:
@@ -336,12 +341,12 @@ PEERS = ("torchao", "deepspeed")
 
 def _peak(runs: list[dict[str, Any]]) -> float:
     """The median over runs of the GPU rank's peak memory (MB)."""
-    return statistics.median(next(f["peak_mb"] for f in run["facts"] if f["peak_mb"] is not None) for run in runs)
+    return statistics.median(_driver(run["facts"])["peak_mb"] for run in runs)
 
 
 def _collections(runs: list[dict[str, Any]]) -> str:
     """The full garbage collections in the runs' windows on the rank that drives the GPU, and their time."""
-    driver = [next((f for f in run["facts"] if f["device"] == "cuda"), run["facts"][0]) for run in runs]
+    driver = [_driver(run["facts"]) for run in runs]
     return f"{sum(f['full_gcs'] for f in driver)} full GC(s), {sum(f['gc_ms'] for f in driver):.0f} ms of GC"
 
 

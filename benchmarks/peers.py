@@ -20,7 +20,6 @@ purpose (putting an idle CPU beside GPUs); it shows what the strategy costs wher
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import statistics
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from torch.utils.data import DataLoader
 from benchmarks.common import Row, interleave, step_times
 from benchmarks.planner import digits_loader, token_loader
 from lightning_hetero import HeteroStrategy
+from lightning_hetero.launcher import preload_forkserver
 
 DEFAULTS = dict(steps=30, repeats=2)
 
@@ -68,8 +68,7 @@ def measure(steps: int, repeats: int, smoke: bool = False) -> list[dict]:
     cores = torch.get_num_threads()
     # The forkserver that DDP's runs start first is the one hetero's use too: have it import once what
     # every rank of either needs (the recipes' models, and the package as hetero's launcher would).
-    modules = ["lightning_hetero", "recipes.mlp", "recipes.gpt", "recipes.causal_lm", "lightning_hetero._forkserver_freeze"]
-    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+    preload_forkserver(["recipes.mlp", "recipes.gpt", "recipes.causal_lm"])
     results = []
     for name, model, batch, loader, layout in recipes(steps, smoke):
         # forkserver: the workers must not fork from this process, which runs torch with threads.

@@ -293,12 +293,15 @@ def _preload_forkserver(module: Optional[LightningModule]) -> None:
     them imported, in a fraction of a second instead of a spawned rank's seconds. The server is a new
     interpreter, so it is safe after this process started CUDA, as spawn is. Its objects are frozen
     last, so that its ranks leave them out of their garbage collections (``_frozen_for_fork``)."""
-    modules = ["lightning_hetero"]
     origin = type(module).__module__ if module is not None else "__main__"
-    if origin != "__main__":  # the main module is the one the server cannot import by name
-        modules.append(origin)
-    modules.append("lightning_hetero._forkserver_freeze")
-    mp.get_context("forkserver").set_forkserver_preload(modules)
+    preload_forkserver([origin] if origin != "__main__" else [])  # the server cannot import the main module by name
+
+
+def preload_forkserver(modules: Sequence[str]) -> None:
+    """Have the forkserver, where it starts, import this package, then ``modules``, then freeze its
+    objects (``_preload_forkserver``; also for other strategies' ranks that share the forkserver)."""
+    preload = ["lightning_hetero", *modules, "lightning_hetero._forkserver_freeze"]
+    mp.get_context("forkserver").set_forkserver_preload(preload)
 
 
 @contextmanager
