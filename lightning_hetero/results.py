@@ -473,8 +473,19 @@ def _noting_batch_state(metric: Metric, compute: Any, noted: dict[int, dict[str,
     return compute()
 
 
-_SCRATCH: "weakref.WeakKeyDictionary[Metric, Metric]" = weakref.WeakKeyDictionary()
-"""Per logged metric, a copy of it that computes the whole batch's value from the shares' states."""
+_SCRATCH: dict[int, Metric] = {}
+"""Per logged metric, by its id, a copy of it that computes the whole batch's value from the shares'
+states; an entry goes with its metric. (Not a weak dictionary keyed by the metric: a metric's hash
+changes with its state tensors, which every ``forward`` replaces, so each step would find none.)"""
+
+
+def _scratch(metric: Metric) -> Metric:
+    """``metric``'s copy in ``_SCRATCH``, made on first use."""
+    scratch = _SCRATCH.get(id(metric))
+    if scratch is None:
+        scratch = _SCRATCH[id(metric)] = _empty_copy(metric)
+        weakref.finalize(metric, _SCRATCH.pop, id(metric), None)
+    return scratch
 
 
 def _empty_copy(metric: Metric) -> Metric:
@@ -500,9 +511,7 @@ def _empty_copy(metric: Metric) -> Metric:
 def _batch_value(metric: Metric, states: tuple[dict[str, Any], ...]) -> Tensor:
     """What ``metric`` computes for the union of the shares' batch states, as one process's
     ``forward`` on the whole batch gives it (without a collective: every rank has every state)."""
-    scratch = _SCRATCH.get(metric)
-    if scratch is None:
-        scratch = _SCRATCH[metric] = _empty_copy(metric)
+    scratch = _scratch(metric)
     scratch.reset()
     for state in states:
         scratch.merge_state(move_data_to_device(state, metric.device))

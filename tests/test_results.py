@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import re
 from collections.abc import Callable
@@ -198,3 +199,32 @@ def test_predictions_of_the_shares_join_into_the_batchs() -> None:
 def test_a_prediction_that_is_not_per_sample_and_differs_between_shares_is_an_error(shares: list, shown: str) -> None:
     with pytest.raises(ValueError, match=rf"`predict_step` returned {re.escape(shown)}, not one row per sample"):
         merge_outputs(shares)
+
+
+def test_a_metrics_batch_value_is_computed_on_one_copy_of_it_for_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchmetrics metric's hash changes with its state (its tensors' identities), which every
+    forward replaces: the copy that computes a batch's value from the shares' states is made once per
+    metric, not once a step (a deep copy each, and each one kept for as long as the metric lives)."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lightning_hetero import results
+
+    copies: list[object] = []
+    empty_copy = results._empty_copy
+    monkeypatch.setattr(results, "_empty_copy", lambda metric: copies.append(metric) or empty_copy(metric))
+    metric = MulticlassAccuracy(num_classes=3, average="micro")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        preds, target = torch.randint(3, (8,), generator=generator), torch.randint(3, (8,), generator=generator)
+        halves = []
+        for part in (slice(0, 3), slice(3, 8)):  # two workers' shares of the batch
+            share = MulticlassAccuracy(num_classes=3, average="micro")
+            share.update(preds[part], target[part])
+            halves.append(share.metric_state)
+        metric(preds, target)  # the running metric's forward gives its state new tensors
+        assert results._batch_value(metric, tuple(halves)) == (preds == target).double().mean().float()
+    assert len(copies) == 1 and copies[0] is metric  # (`==` on metrics makes a metric)
+    key = id(metric)
+    del metric, copies[:]
+    gc.collect()  # a metric's own references to itself
+    assert key not in results._SCRATCH  # gone with its metric
