@@ -25,7 +25,8 @@ measured side by side in one run.
 Each ratio is of median steps over the second half of the run, each step's wall time on the host of
 the rank that drives the GPU; the note beside it gives the mean over the same steps (the wall clock
 between the middle and the end, the GPU synchronized at both ends: a plain GPU run queues its kernels
-ahead) and the garbage collections that ran in them. A process's one full collection of the objects
+ahead), the garbage collections that ran in them, and under hetero the GPU rank's step in parts, as
+the strategy's own records time them (``PHASES``). A process's one full collection of the objects
 torch and Lightning make takes a few hundred milliseconds: in a run of 100 steps of 4 ms that is
 half again on the mean, and in a long run nothing. Hetero runs start their processes from a
 forkserver, since this process has used CUDA (the GPU-alone runs). Where there is no CUDA device,
@@ -80,13 +81,21 @@ NAMES = {
 }
 
 
+PHASES = ("compute", "optimizer", "wait", "data", "total")
+"""The parts of a step that the strategy's own records time (``StepRecord``), shown in the notes:
+the share's forward and backward (on a GPU, its time on the device), the optimizer step, sharing
+the step's results (the exchange and logging them through Lightning), the time between steps
+(loading, the training loop's own work), and the whole step."""
+
+
 class Facts(L.Callback):
     """Each rank writes, at the end of the fit, its CPU fraction, threads, peak GPU memory and whether
     it started CUDA, and over the steps from the middle of the run to its end: the mean step (the
     wall clock between the two, the GPU synchronized at both ends), the median step (each step's
-    wall time on the host), and the garbage collections that ran, with their time. A one-off full
-    collection of a process's objects (a few hundred milliseconds where torch and Lightning are
-    imported) weighs in a short run's mean as a few milliseconds a step, and in its median not at all."""
+    wall time on the host), the garbage collections that ran, with their time, and under hetero the
+    median of each part of a step its records time (``PHASES``). A one-off full collection of a
+    process's objects (a few hundred milliseconds where torch and Lightning are imported) weighs in
+    a short run's mean as a few milliseconds a step, and in its median not at all."""
 
     def __init__(self, out: Path, start: int) -> None:
         self.out, self.start = out, start
@@ -132,8 +141,17 @@ class Facts(L.Callback):
             "median_step": statistics.median(steps) if steps else None,
             "gc_ms": 1e3 * sum(seconds for _, seconds in self._collections),
             "full_gcs": sum(generation == 2 for generation, _ in self._collections),
+            "phases_ms": self._phases(trainer),
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
+
+
+    def _phases(self, trainer: L.Trainer) -> dict[str, float] | None:
+        """Under hetero, the median of each of ``PHASES`` over this rank's records of the window."""
+        records = [r for r in getattr(trainer.strategy, "step_records", []) if r.step >= self.start]
+        if not records:
+            return None
+        return {kind: 1e3 * statistics.median(getattr(r, kind) for r in records) for kind in PHASES}
 
 
 class SyncProbe(L.Callback):
@@ -350,6 +368,15 @@ def _collections(runs: list[dict[str, Any]]) -> str:
     return f"{sum(f['full_gcs'] for f in driver)} full GC(s), {sum(f['gc_ms'] for f in driver):.0f} ms of GC"
 
 
+def _phases(runs: list[dict[str, Any]]) -> str:
+    """Under hetero, the median over runs of each part of the GPU rank's median step (``PHASES``)."""
+    phases = [_driver(run["facts"]).get("phases_ms") for run in runs]
+    if not all(phases):
+        return ""
+    parts = ", ".join(f"{kind} {statistics.median(p[kind] for p in phases):.2f}" for kind in PHASES)
+    return f"; the GPU rank's step in ms: {parts}"
+
+
 def model_rows(r: dict[str, Any]) -> list[Row]:
     """The rows of one model's measurements (a peer that failed: its error, in place of its numbers).
     Each ratio is of median steps (``Facts``); the note gives the means over the window beside them,
@@ -364,7 +391,7 @@ def model_rows(r: dict[str, Any]) -> list[Row]:
         return (
             f"median step {step[config] * 1e3:.2f} ms vs {step['gpu'] * 1e3:.2f} ms; means over the window"
             f" {mean[config] * 1e3:.2f} vs {mean['gpu'] * 1e3:.2f} ms ({mean['gpu'] / mean[config]:.3f});"
-            f" {_collections(r[config])} vs {_collections(r['gpu'])}"
+            f" {_collections(r[config])} vs {_collections(r['gpu'])}{_phases(r[config])}"
         )
 
     out = []

@@ -6,6 +6,7 @@ import gc
 import math
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -52,13 +53,17 @@ def test_the_cuda_rows_are_those_of_the_configurations_run() -> None:
                  "full_gcs": gcs, "gc_ms": 250.0 * gcs}  # fmt: skip
         return {"median": median, "step": mean, "facts": [facts]}
 
-    rows = model_rows({"model": "MLP", "gpu": [run(0.004, 0.004)], "idle": [run(0.008, 0.008)], "alone": [run(0.005, 0.01, gcs=1)]})
+    alone = run(0.005, 0.01, gcs=1)
+    alone["facts"][0]["phases_ms"] = {"compute": 2.0, "optimizer": 1.0, "wait": 0.5, "data": 0.25, "total": 5.0}
+    rows = model_rows({"model": "MLP", "gpu": [run(0.004, 0.004)], "idle": [run(0.008, 0.008)], "alone": [alone]})
     assert [(row.configuration, round(row.ratio, 3)) for row in rows] == [
         (f"MLP: {CUDA_NAMES['idle']}", 0.5),
         (f"MLP: {CUDA_NAMES['alone']}", 0.8),
     ]
     assert "CPU worker threads 15" in rows[0].note and "threads" not in rows[1].note
     assert "means over the window 10.00 vs 4.00 ms (0.400); 1 full GC(s), 250 ms of GC vs 0 full GC(s)" in rows[1].note
+    assert rows[1].note.endswith("the GPU rank's step in ms: compute 2.00, optimizer 1.00, wait 0.50, data 0.25, total 5.00")
+    assert "GPU rank's step" not in rows[0].note  # runs without the strategy's records
 
 
 class CollectAt(L.Callback):
@@ -81,22 +86,35 @@ class CollectAt(L.Callback):
             gc.collect()
 
 
-@pytest.mark.parametrize("where", ["this-process", "child"])
+@pytest.mark.parametrize("where", ["this-process", "child", "hetero"])
 def test_the_cuda_benchmarks_facts_time_the_second_half_and_its_collections(where: str) -> None:
     """`benchmarks.cuda`'s measurement, on the CPU (its GPU runs are the same code): the median and the
     mean step over the second half of the fit, and the full garbage collections in those steps, not
     before; `plain_in_child` runs in a process of its own with the one torch thread of a GPU stage
     (forked here: the forkserver it uses on a GPU machine would be this process's one, whose preload
-    the launcher's tests set)."""
+    the launcher's tests set). Under hetero, the parts of the rank's step, from its records of the
+    window's steps."""
     from benchmarks import cuda
+    from lightning_hetero import HeteroStrategy
 
     collect = CollectAt(2, 9)  # one before the window (it opens at step 6), one in it
+    _, build, loader = cuda.models(smoke=True)[0]
     if where == "this-process":
-        _, build, loader = cuda.models(smoke=True)[0]
         run = cuda._run(None, build(), loader(12), 12, accelerator="cpu", callbacks=[collect])
-    else:
+    elif where == "child":
         run = cuda.plain_in_child(0, 12, smoke=True, accelerator="cpu", callbacks=[collect], start_method="fork")
+    else:
+        strategy = HeteroStrategy(stages=["cpu"], cpu_workers=0, start_method="fork", timeout=timedelta(seconds=60))
+        run = cuda._run(strategy, build(), loader(12), 12, callbacks=[collect])
     [facts] = run["facts"]
     assert facts["device"] == "cpu" and facts["full_gcs"] == 1 and facts["gc_ms"] > 0
-    assert facts["threads"] == (1 if where == "child" else torch.get_num_threads())
+    if where != "hetero":
+        assert facts["threads"] == (1 if where == "child" else torch.get_num_threads())
     assert 0 < run["median"] == facts["median_step"] and 0 < run["step"] == facts["step"]
+    if where == "hetero":
+        phases = facts["phases_ms"]
+        assert list(phases) == list(cuda.PHASES) and 0 < phases["compute"] < phases["total"]
+        # the median whole step of the records is the median step Facts times itself, within loading and the loop's hooks
+        assert phases["total"] == pytest.approx(1e3 * run["median"], rel=0.5)
+    else:
+        assert facts["phases_ms"] is None
