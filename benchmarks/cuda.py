@@ -145,7 +145,6 @@ class Facts(L.Callback):
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
 
-
     def _phases(self, trainer: L.Trainer) -> dict[str, float] | None:
         """Under hetero, the median of each of ``PHASES`` over this rank's records of the window."""
         records = [r for r in getattr(trainer.strategy, "step_records", []) if r.step >= self.start]
