@@ -2,7 +2,8 @@
 warm-up and at the end of thousands of steps.
 
 1 CPU worker + 2 emulated stages train a small MLP for ``--steps`` steps over many short epochs,
-with what a long run does along the way: a checkpoint (and ``last.ckpt``) every
+with what a long run does along the way: a torchmetrics metric logged every step (its value for
+the whole batch made from the workers' shares, as the recipes' are), a checkpoint (and ``last.ckpt``) every
 ``--checkpoint-every`` steps, written atomically and the previous one removed, and a CSV log.
 Every rank measures itself (psutil) at step ``--warmup`` and every ``--every`` steps after; rank 0
 gathers the measurements and prints, per rank, memory at the start, the middle and the end, its
@@ -23,11 +24,28 @@ from typing import Any
 
 import lightning as L
 import psutil
+import torch
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.common import MLP, synthetic_loader
 from lightning_hetero import HeteroStrategy
+
+
+class MeteredMLP(MLP):
+    """The MLP, logging its mean absolute error every step through a torchmetrics metric."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.train_mae = torchmetrics.MeanAbsoluteError()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        output = self(inputs)
+        self.train_mae(output, targets)
+        self.log("train_mae", self.train_mae)
+        return self.pipeline_loss(output, targets)
 
 
 class Usage(L.Callback):
@@ -77,7 +95,7 @@ def main() -> None:
             enable_model_summary=False,
         )
         start = time.monotonic()
-        trainer.fit(MLP(width=64, depth=4, features=16), synthetic_loader(32 * args.batches_per_epoch, 32, features=16))
+        trainer.fit(MeteredMLP(width=64, depth=4, features=16), synthetic_loader(32 * args.batches_per_epoch, 32, features=16))
         elapsed = time.monotonic() - start
         report(json.loads(out.read_text()))
         print(f"{args.steps} steps in {elapsed:.0f} s ({1e3 * elapsed / args.steps:.1f} ms per step, start included)")
