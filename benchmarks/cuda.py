@@ -141,11 +141,11 @@ class Facts(L.Callback):
             "median_step": statistics.median(steps) if steps else None,
             "gc_ms": 1e3 * sum(seconds for _, seconds in self._collections),
             "full_gcs": sum(generation == 2 for generation, _ in self._collections),
-            "phases_ms": self._phases(trainer),
+            "phases_ms": self._median_phases(trainer),
         }
         (self.out / f"facts{trainer.global_rank}.json").write_text(json.dumps(facts))
 
-    def _phases(self, trainer: L.Trainer) -> dict[str, float] | None:
+    def _median_phases(self, trainer: L.Trainer) -> dict[str, float] | None:
         """Under hetero, the median of each of ``PHASES`` over this rank's records of the window."""
         records = [r for r in getattr(trainer.strategy, "step_records", []) if r.step >= self.start]
         if not records:
