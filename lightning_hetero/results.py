@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_LOG_OPTIONS = frozenset(_LOG_SIGNATURE.parameters) - {"self", "name", "value"}
+"""The keyword arguments of ``self.log`` after its name and value."""
+_NOT_OPTIONS = frozenset({"self", "name", "value", "batch_size", "metric_attribute"})
 _REDUCE_NAMES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
 
@@ -157,6 +160,11 @@ class LogCapture:
     ``samples`` is the worker's share of a batch of ``batch_size`` samples; ``nominal``: the
     largest batch the step method has run on (the loader's own ``batch_size``, as a fixed
     ``self.log(batch_size=...)`` names it).
+
+    A metric logged as an object carries the state its share gave it (``LoggedValue.states``), for
+    every rank to compute the whole batch's value from all the shares' states. A worker whose share
+    is the whole batch is the only one to log: its metric's own value is the batch's, and no state
+    is noted.
     """
 
     def __init__(self, module: LightningModule, samples: int, batch_size: int, nominal: int | None = None) -> None:
@@ -170,7 +178,8 @@ class LogCapture:
         self.module.log = self._capture  # type: ignore[method-assign]
         self.module.all_gather = _refuse_all_gather  # type: ignore[method-assign]
         self._batch_states: dict[int, dict[str, Any]] = {}
-        self._computes = [(m, m.compute) for m in self.module.modules() if isinstance(m, Metric) and _merges(m)]
+        shared = 0 < self.samples < self.batch_size
+        self._computes = [(m, m.compute) for m in self.module.modules() if isinstance(m, Metric) and _merges(m)] if shared else []
         for metric, compute in self._computes:
             metric.compute = functools.partial(_noting_batch_state, metric, compute, self._batch_states)  # type: ignore[method-assign]
         return self
@@ -182,12 +191,13 @@ class LogCapture:
             metric.compute = compute  # type: ignore[method-assign]
 
     def _capture(self, *args: Any, **kwargs: Any) -> None:
-        bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
-        options = dict(bound.arguments)
-        for key in ("self", "name", "value", "batch_size", "metric_attribute"):
-            options.pop(key, None)
-        name, value = bound.arguments["name"], bound.arguments["value"]
-        batch_size = bound.arguments.get("batch_size")
+        if len(args) == 2 and kwargs.keys() <= _LOG_OPTIONS:  # `self.log(name, value, option=...)`, as nearly always
+            arguments = dict(kwargs, name=args[0], value=args[1])
+        else:
+            arguments = dict(_LOG_SIGNATURE.bind(self.module, *args, **kwargs).arguments)
+        options = {k: v for k, v in arguments.items() if k not in _NOT_OPTIONS}
+        name, value = arguments["name"], arguments["value"]
+        batch_size = arguments.get("batch_size")
         share = None
         if batch_size is None or batch_size == self.batch_size:  # the whole batch's size stands for the share
             weight = float(self.samples)
@@ -199,7 +209,7 @@ class LogCapture:
             weight = float(batch_size)
         metric, states = None, ()
         if isinstance(value, Metric):
-            metric = bound.arguments.get("metric_attribute") or self._metric_path(value, name)
+            metric = arguments.get("metric_attribute") or self._metric_path(value, name)
             state = self._batch_states.get(id(value))
             states = (state,) if state is not None and self.samples else ()
             value = value._forward_cache
@@ -421,7 +431,10 @@ def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
         items = [dataclasses.replace(i, weight=given * (i.share or 0) / total) for i in items]
     weight = sum(i.weight for i in items)
     valued = [i for i in items if i.value is not None]
-    value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None
+    if len(valued) == 1:  # one worker's value is the batch's, as it is (a weighted mean of one can be off by an ulp)
+        value = valued[0].value
+    else:
+        value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None
     states = tuple(state for i in items for state in i.states) if all(i.states for i in items) else ()
     return LoggedValue(name, value, weight, first.dtype, first.options, first.metric, states=states)
 
@@ -448,7 +461,7 @@ def relog(module: LightningModule, values: list[LoggedValue], device: torch.devi
         weight = int(item.weight) if float(item.weight).is_integer() else item.weight
         if item.metric is not None:
             metric = module.get_submodule(item.metric)
-            if item.states:  # the whole batch's value, from the shares' states
+            if len(item.states) > 1 or (item.states and item.value is None):  # the whole batch's value, from the shares' states
                 metric._forward_cache = _batch_value(metric, item.states)
             elif item.value is not None:
                 metric._forward_cache = torch.tensor(item.value, dtype=item.dtype, device=metric.device)

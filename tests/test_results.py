@@ -228,3 +228,63 @@ def test_a_metrics_batch_value_is_computed_on_one_copy_of_it_for_the_whole_run(m
     del metric, copies[:]
     gc.collect()  # a metric's own references to itself
     assert key not in results._SCRATCH  # gone with its metric
+
+
+def test_one_workers_value_is_the_batchs_as_it_is() -> None:
+    """A weighted mean of one value can differ from it in the last bit ((3 * 0.1) / 3 is not 0.1):
+    where one worker logged, its value is the batch's, as one process logs it."""
+    (combined,) = combine_logs([report(3, 0.1, value=(0.1, 3, {})), report(0, None)])
+    assert combined.value == 0.1 and combined.weight == 3
+
+
+class _Metered(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.acc = MulticlassAccuracy(num_classes=3, average="micro")
+
+
+@pytest.mark.parametrize("samples, noted", [(8, False), (3, True)], ids=["whole batch", "a share"])
+def test_only_a_share_of_the_batch_notes_its_metrics_state(samples: int, noted: bool) -> None:
+    """Each share's metric state lets every rank compute the batch's value from all of them; a worker
+    whose share is the whole batch is the only one to log, so it notes nothing (no copy of the
+    state each step, none sent): its metric's own value is the batch's."""
+    module = _Metered()
+    preds, target = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1][:samples]), torch.tensor([0, 1, 1, 0, 2, 2, 0, 0][:samples])
+    compute = module.acc.compute
+    with LogCapture(module, samples=samples, batch_size=8) as capture:
+        assert (module.acc.compute is not compute) is noted  # wrapped to note the state it computes from
+        module.acc(preds, target)
+        module.log("acc", module.acc)
+    (item,) = capture.logs
+    assert bool(item.states) is noted and module.acc.compute is compute
+    assert item.value == (preds == target).float().mean()
+
+
+def test_a_metric_logged_by_one_worker_is_relogged_with_its_own_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where one worker's state is all the batch's, its forward's value is the batch's: no rank
+    computes it again from that state."""
+    from lightning_hetero import results
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(results, "_batch_value", refuse)
+    module, logged = _Metered(), []
+    state = {"tp": torch.tensor([2]), "fp": torch.tensor([1]), "tn": torch.tensor([0]), "fn": torch.tensor([1])}
+    item = LoggedValue("acc", 2 / 3, 3.0, torch.float32, {}, metric="acc", states=(state,))
+    module.log = lambda name, value, **kwargs: logged.append((name, value._forward_cache))  # type: ignore[method-assign]
+    results.relog(module, combine_logs([WorkerReport(samples=3, logs=[item])]), torch.device("cpu"))
+    assert logged == [("acc", torch.tensor(2 / 3, dtype=torch.float32))]
+
+
+def test_log_options_are_captured_alike_however_they_are_passed() -> None:
+    module, captured = LightningModule(), []
+    for args, kwargs in [(("x", 1.0, True), {"batch_size": 2}), (("x", 1.0), {"prog_bar": True, "batch_size": 2}), ((), {"name": "x", "value": 1.0, "prog_bar": True, "batch_size": 2})]:
+        with LogCapture(module, samples=2, batch_size=4) as capture:
+            module.log(*args, **kwargs)
+        captured.append(capture.logs[0])
+    assert all(item == captured[0] for item in captured) and captured[0].options == {"prog_bar": True}
+    with LogCapture(module, samples=2, batch_size=4), pytest.raises(TypeError):
+        module.log("x", 1.0, name="y")
