@@ -23,6 +23,7 @@ collected there.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -266,8 +267,8 @@ class ReportExchange:
     turn to run Lightning's loop. So, on one node (``cpu_workers`` CPU workers, global ranks
     ``0 .. cpu_workers - 1``, then the stages), ``one_way=True`` has the stages share their reports
     among themselves (``stages``, a gloo group of them; none where there is one stage) and the first
-    stage send them to every CPU worker without waiting (``isend``; a sent buffer is released at the
-    next call, when its CPU worker has received it). Every rank ends with the same list, the CPU
+    stage send them to every CPU worker without waiting (``_Post``: one message to each, released
+    once received, a few steps' worth at most in flight). Every rank ends with the same list, the CPU
     workers' reports empty, except that a CPU worker keeps its own device stats (the stages and the
     other CPU workers do not see them in such a step). Every rank decides ``one_way`` alike, from
     the shares of the optimizer step's batches. (A CPU worker's own entry leaves out its noted
@@ -287,7 +288,7 @@ class ReportExchange:
         self._stages = _Gather(stages, capacity) if stages is not None else None
         self._cpu_workers = cpu_workers
         self._rank = dist.get_rank()
-        self._sends: list[Any] = []
+        self._post = _Post(group, capacity)
 
     @property
     def capacity(self) -> int:
@@ -295,16 +296,15 @@ class ReportExchange:
 
     def __call__(self, report: WorkerReport, one_way: bool = False) -> list[WorkerReport]:
         report.to_host()
-        self._wait_for_sends()
         if not (one_way and self._cpu_workers):
             return self._all(report)
         first_stage = self._cpu_workers
         if self._rank < first_stage:
-            stage_reports = _receive(first_stage, self.group)
+            stage_reports = self._post.receive(first_stage)
         else:
             stage_reports = self._stages(report) if self._stages is not None else [report]
             if self._rank == first_stage:
-                self._sends = _send(stage_reports, range(first_stage), self.group)
+                self._post.send(stage_reports, range(first_stage))
         own = dataclasses.replace(report, signals=0)
         cpu_reports = [own if rank == self._rank else WorkerReport() for rank in range(first_stage)]
         return cpu_reports + stage_reports
@@ -312,12 +312,55 @@ class ReportExchange:
     def flush(self) -> None:
         """Wait until the CPU workers have what was sent them (before the process groups go: a
         process that left with a send in flight would break its CPU worker's receive)."""
-        self._wait_for_sends()
+        self._post.wait(0)
 
-    def _wait_for_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends = []
+
+class _Post:
+    """Objects sent to other ranks without waiting for them to be received: one message of
+    ``_HEADER + capacity`` bytes to each (the object's pickled length, then its bytes; where it
+    outgrows the capacity, the rest follows in a second message, and both sides take its length as
+    the capacity from then on, as each learns it).
+
+    A send completes once its receiver has read it, and waiting for that at the next step cost the
+    sender half a millisecond a step where processes share cores (gloo's thread that completes it
+    has to get a core). So the sender keeps what it sent (a sent buffer must live until then) and
+    waits only where more than ``_POSTED_AHEAD`` steps' sends are still in flight: a receiver may lag
+    a few steps behind, and the next collective between them brings it level.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, capacity: int) -> None:
+        self.group = group
+        self.capacity = capacity
+        self._in_flight: collections.deque[list[tuple[Any, Tensor]]] = collections.deque()
+
+    def send(self, obj: Any, ranks: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = torch.zeros(_HEADER + self.capacity, dtype=torch.uint8)
+        buffer[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer[_HEADER : _HEADER + min(len(data), self.capacity)] = payload[: self.capacity]
+        messages = [buffer] + ([payload[self.capacity :]] if len(data) > self.capacity else [])
+        self.capacity = max(self.capacity, len(data))
+        self.wait(_POSTED_AHEAD - 1)
+        self._in_flight.append([(dist.isend(m, dst=r, group=self.group, tag=_POST_TAG), m) for r in ranks for m in messages])
+
+    def receive(self, src: int) -> Any:
+        buffer = torch.empty(_HEADER + self.capacity, dtype=torch.uint8)
+        dist.recv(buffer, src=src, group=self.group, tag=_POST_TAG)
+        length = int(buffer[:_HEADER].view(torch.int64))
+        data = buffer[_HEADER : _HEADER + min(length, self.capacity)].numpy().tobytes()
+        if length > self.capacity:
+            rest = torch.empty(length - self.capacity, dtype=torch.uint8)
+            dist.recv(rest, src=src, group=self.group, tag=_POST_TAG)
+            data += rest.numpy().tobytes()
+            self.capacity = length
+        return pickle.loads(data)
+
+    def wait(self, in_flight: int) -> None:
+        """Release what was received, and wait until at most ``in_flight`` steps' sends are left."""
+        while self._in_flight and (len(self._in_flight) > in_flight or all(w.is_completed() for w, _ in self._in_flight[0])):
+            for work, _ in self._in_flight.popleft():
+                work.wait()
 
 
 class _Gather:
@@ -367,27 +410,10 @@ class _Gather:
         return out
 
 
-def _send(obj: Any, ranks: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Send ``obj`` pickled to every global rank of ``ranks`` without waiting: its length, then its
-    bytes. Returns the sends with their buffers, to be waited for before the buffers go."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    sends = []
-    for rank in ranks:
-        sends.append((dist.isend(length, dst=rank, group=group, tag=_LENGTH_TAG), length))
-        sends.append((dist.isend(payload, dst=rank, group=group, tag=_PAYLOAD_TAG), payload))
-    return sends
+_POST_TAG, _GATHER_TAG = 7301, 7303
 
-
-def _receive(src: int, group: dist.ProcessGroup | None) -> Any:
-    length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src=src, group=group, tag=_LENGTH_TAG)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.recv(payload, src=src, group=group, tag=_PAYLOAD_TAG)
-    return pickle.loads(payload.numpy().tobytes())
-
-
-_LENGTH_TAG, _PAYLOAD_TAG, _GATHER_TAG = 7301, 7302, 7303
+_POSTED_AHEAD = 4
+"""The most steps whose reports a sender has in flight to a receiver (``_Post``)."""
 
 _PAIRWISE_UP_TO = 16
 """The largest group whose reports travel as sends between every pair (``_Gather``)."""

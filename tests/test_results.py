@@ -116,6 +116,14 @@ def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path, monkeypatc
     assert all(c == [1024, big, big] for c in capacities)  # grown together, and kept
 
 
+def _stage_report(rank: int, step: int, world: int) -> WorkerReport:
+    """What a stage shares at ``step``: the last stage's report at step 2, sent one way, outgrows the
+    1 KiB message that carries the stages' reports to the CPU workers."""
+    if (rank, step) == (world - 1, 2):
+        return report(rank + 1, float(step), **{f"value{i}": (float(i), 1.0, {}) for i in range(100)})
+    return _sent(rank, step)
+
+
 def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
@@ -125,7 +133,7 @@ def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
     for step in range(4):  # one way, both ways, one way twice (the sends of one step released at the next)
         one_way = step != 1
         # A CPU worker's noted signal stays out of even its own copy: every rank must agree on them.
-        mine = WorkerReport(signals=1) if one_way and rank < cpu_workers else _sent(rank, step)
+        mine = WorkerReport(signals=1) if one_way and rank < cpu_workers else _stage_report(rank, step, world)
         seen.append(share(mine, one_way=one_way))
     share.flush()  # the last step's reports delivered before the groups go
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
@@ -141,9 +149,35 @@ def test_a_step_without_a_cpu_share_tells_the_cpu_workers_one_way(tmp_path: Path
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for step in range(4):
         expected = [
-            WorkerReport() if step != 1 and r < cpu_workers else _sent(r, step) for r in range(world)
+            WorkerReport() if step != 1 and r < cpu_workers else _stage_report(r, step, world) for r in range(world)
         ]
         assert all(seen[step] == expected for seen in ranks), step
+
+
+def _run_ahead(rank: int, tmp: Path, steps: int) -> None:
+    store = dist.FileStore(str(tmp / "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=5))
+    share, seen = ReportExchange(capacity=1024, cpu_workers=1), []
+    if rank == 0:
+        store.wait(["posted"])  # the CPU worker gets to its receives only once the stage has sent them all
+    for step in range(steps):
+        seen.append(share(WorkerReport() if rank == 0 else _sent(rank, step), one_way=True))
+    if rank == 1:
+        store.set("posted", "1")
+    share.flush()
+    (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
+    dist.destroy_process_group()
+
+
+def test_the_stages_send_one_way_a_few_steps_ahead_of_the_cpu_workers(tmp_path: Path) -> None:
+    """A send completes only once its receiver has read it: the stage does not wait for that at its
+    next step, and goes on while a CPU worker is a few steps behind (here held back until the stage
+    has sent them all; a stage that waited would time out)."""
+    from lightning_hetero.results import _POSTED_AHEAD
+
+    mp.start_processes(_run_ahead, args=(tmp_path, _POSTED_AHEAD), nprocs=2, start_method="fork")
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    assert ranks[0] == ranks[1] == [[WorkerReport(), _sent(1, step)] for step in range(_POSTED_AHEAD)]
 
 
 def _sync_metrics(rank: int, world: int, tmp: Path) -> None:
