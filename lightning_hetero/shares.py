@@ -135,12 +135,15 @@ def batch_size_of(batch: Any) -> int:
     )
 
 
-def slice_batch(batch: Any, start: int, stop: int) -> Any:
+def slice_batch(batch: Any, start: int, stop: int, size: int | None = None) -> Any:
     """Samples ``[start, stop)`` of a batch of any structure Lightning takes (dicts, lists, tuples,
     named tuples, dataclasses, mappings such as a tokenizer's ``BatchEncoding``): every tensor with
     one row per sample is sliced, and so is every list of plain values with one per sample (strings,
     ids) and every list of samples (``_samples``); what is not per sample (a 0-dim tensor, a number,
-    a list of another length) goes to every worker whole."""
+    a list of another length) goes to every worker whole. Given the batch's ``size``, a share of all
+    of it is the batch itself, as one process's step gets it."""
+    if size is not None and (start, stop) == (0, size):
+        return batch
     return _slice(batch, start, stop, batch_size_of(batch))
 
 

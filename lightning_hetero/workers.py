@@ -439,7 +439,7 @@ class _WholeModel(Worker):
         encoders = self.encoders if self.encoders is not None and self.encoders.placement else None
 
         def own_share() -> tuple[WorkerReport, Any]:
-            share = self._on_device(slice_batch(batch, start, stop))
+            share = self._on_device(slice_batch(batch, start, stop, shares.batch_size))
             with encoders.receiving(share) if encoders is not None else nullcontext():
                 report, output = self._run_step("training_step", share, (batch_idx,), stop - start, shares.batch_size)
                 weight = (stop - start) / (shares.batch_size * accumulate)
@@ -481,7 +481,7 @@ class _WholeModel(Worker):
             self.norm.before(shares, training=False)
         if start == stop:
             return WorkerReport(), None
-        return self._run_step(method, self._on_device(slice_batch(batch, start, stop)), rest, stop - start, shares.batch_size)
+        return self._run_step(method, self._on_device(slice_batch(batch, start, stop, shares.batch_size)), rest, stop - start, shares.batch_size)
 
     def _on_device(self, share: Any) -> Any:
         return share if self.device.type == "cpu" else move_data_to_device(share, self.device)

@@ -400,3 +400,32 @@ def test_a_training_step_reads_its_results_on_the_host_once(
         assert len(steps) == 3
         once = ["results.py:_read:cpu", "results.py:_read:tolist"]
         assert all(calls == (once if path.name in computed else []) for calls in steps), (path.name, steps)
+
+
+class _BatchIdentity(Net):
+    """Writes, per rank, whether each step method got the very batch the hooks around it see."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.same, self._batch = out, [], None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._batch = batch
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._batch is not None:
+            self.same.append(batch is self._batch)
+
+    def on_train_end(self) -> None:
+        (self.out / f"same{self.global_rank}.json").write_text(json.dumps(self.same))
+
+
+@pytest.mark.parametrize("cpu_workers", [0, 1])
+def test_a_worker_whose_share_is_the_whole_batch_steps_on_the_batch_itself(tmp_path: Path, cpu_workers: int) -> None:
+    """As in one process, `training_step` gets the batch that `on_train_batch_end` sees (a share of
+    all of it is not rebuilt: its containers would be new ones, and cost a walk of the batch a step)."""
+    strategy = hetero(stages=["cpu"], cpu_workers=cpu_workers, cpu_fraction=0.0)
+    trainer(strategy, max_steps=3).fit(_BatchIdentity(tmp_path), regression_data())
+    stage = json.loads((tmp_path / f"same{cpu_workers}.json").read_text())
+    assert stage == [True, True, True]
