@@ -217,13 +217,29 @@ class LogCapture:
         self.logs.append(LoggedValue(name, _scalar(name, value), weight, _dtype(value), options, metric, share, states))
 
     def _metric_path(self, metric: Metric, name: str) -> str:
+        path = _METRIC_PATHS.get(id(metric))
+        if path is not None and _submodule(self.module, path) is metric:
+            return path
         for path, module in self.module.named_modules():
             if module is metric:
+                _METRIC_PATHS[id(metric)] = path
                 return path
         raise ValueError(
             f"`self.log({name!r}, metric)`: the metric is not an attribute of the LightningModule. Assign it to"
             " the module (e.g. `self.train_acc = Accuracy(...)`) so every worker holds its own copy."
         )
+
+
+_METRIC_PATHS: dict[int, str] = {}
+"""Where in its module each metric logged as an object was last found, by the metric's id (checked
+at each use: an id may come back for another object): a walk of the module's tree per step saved."""
+
+
+def _submodule(module: nn.Module, path: str) -> Any:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _scalar(name: str, value: Any) -> float | Tensor | None:

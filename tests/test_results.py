@@ -322,3 +322,20 @@ def test_log_options_are_captured_alike_however_they_are_passed() -> None:
     assert all(item == captured[0] for item in captured) and captured[0].options == {"prog_bar": True}
     with LogCapture(module, samples=2, batch_size=4), pytest.raises(TypeError):
         module.log("x", 1.0, name="y")
+
+
+def test_a_logged_metric_is_found_in_its_module_once_and_again_where_it_moved() -> None:
+    module, walks = _Metered(), []
+    named_modules = module.named_modules
+    module.named_modules = lambda *a, **k: walks.append(1) or named_modules(*a, **k)  # type: ignore[method-assign]
+    paths = []
+    for step in range(4):
+        if step == 2:  # the same metric, now under another name
+            module.renamed = module.acc
+            del module.acc
+        with LogCapture(module, samples=3, batch_size=3) as capture:
+            metric = module.get_submodule("acc" if step < 2 else "renamed")
+            metric(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 1]))
+            module.log("acc", metric)
+        paths.append(capture.logs[0].metric)
+    assert paths == ["acc", "acc", "renamed", "renamed"] and len(walks) == 2
