@@ -147,16 +147,21 @@ class Fault(L.Callback):
     """Makes global rank ``rank`` fail in the middle of training step ``step`` (fault-injection tests):
     in the forward of the first layer with parameters it holds, the process kills itself with
     SIGKILL (``how="kill"``), raises ``RuntimeError("injected fault")`` (``"raise"``) or
-    ``KeyboardInterrupt`` (``"interrupt"``), or hangs (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only."""
+    ``KeyboardInterrupt`` (``"interrupt"``), or hangs (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only.
+    With ``at_start``, it fails as the step starts instead (a CPU worker with no share runs no forward)."""
 
-    def __init__(self, rank: int, step: int, how: Literal["kill", "raise", "interrupt", "hang"], once: Path | None = None) -> None:
-        self.rank, self.step, self.how, self.once = rank, step, how, once
+    def __init__(
+        self, rank: int, step: int, how: Literal["kill", "raise", "interrupt", "hang"], once: Path | None = None, at_start: bool = False
+    ) -> None:
+        self.rank, self.step, self.how, self.once, self.at_start = rank, step, how, once, at_start
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         if self.once is not None and self.once.exists():
             return
+        if self.at_start:
+            return self._fail()
         held = [m for m in pl_module.pipeline_layers() if any(not p.is_meta for p in m.parameters())]
         held[0].register_forward_hook(self._fail)
 

@@ -41,7 +41,9 @@ def reference() -> dict:
     return model.state_dict()
 
 
-def fit(ckpt_dir: Path, mode: str = "coarse", fault: Fault | None = None, timeout: float = TIMEOUT_S, resume: bool = False) -> Net:
+def fit(
+    ckpt_dir: Path, mode: str = "coarse", fault: Fault | None = None, timeout: float = TIMEOUT_S, resume: bool = False, cpu_fraction: float = 0.5
+) -> Net:
     """8 steps (2 epochs of 4 batches), a checkpoint after each epoch's last batch, and `last.ckpt`.
     (Lightning resumes exactly from a checkpoint written there; from one written mid-epoch, or in
     `on_train_epoch_end`, even a plain Trainer does not continue exactly with a loader that cannot resume.)"""
@@ -50,7 +52,7 @@ def fit(ckpt_dir: Path, mode: str = "coarse", fault: Fault | None = None, timeou
         dirpath=ckpt_dir, filename="{step}", every_n_train_steps=4, save_top_k=-1, save_last=True
     )
     callbacks = [checkpoints] + ([fault] if fault else [])
-    strategy = hetero(mode=mode, cpu_fraction=0.5, timeout=timeout)
+    strategy = hetero(mode=mode, cpu_fraction=cpu_fraction, timeout=timeout)
     t = trainer(strategy, max_steps=8, callbacks=callbacks, enable_checkpointing=True)
     t.fit(model, regression_data(), ckpt_path="last" if resume else None)
     return model
@@ -73,20 +75,25 @@ def assert_resumes_exactly(ckpt_dir: Path, reference: dict, at_step: int, mode: 
 
 
 @pytest.mark.parametrize(
-    "rank,how,mode,cause",
+    "rank,how,mode,cause,fraction",
     [
-        (0, "kill", "coarse", "was killed by SIGKILL"),
-        (1, "kill", "fine", "was killed by SIGKILL"),
-        (2, "raise", "coarse", "RuntimeError: injected fault"),
-        (0, "raise", "fine", "RuntimeError: injected fault"),
-        (1, "interrupt", "coarse", "This rank was interrupted (KeyboardInterrupt)"),
+        (0, "kill", "coarse", "was killed by SIGKILL", 0.5),
+        (0, "kill", "coarse", "was killed by SIGKILL", 0.0),  # the stages send it their reports one way, a few steps ahead
+        (1, "kill", "fine", "was killed by SIGKILL", 0.5),
+        (2, "raise", "coarse", "RuntimeError: injected fault", 0.5),
+        (0, "raise", "fine", "RuntimeError: injected fault", 0.5),
+        (1, "interrupt", "coarse", "This rank was interrupted (KeyboardInterrupt)", 0.5),
     ],
-    ids=["cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine", "interrupted-stage"],
+    ids=[
+        "cpu-worker-killed", "idle-cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine",
+        "interrupted-stage",
+    ],
 )
 def test_a_failed_rank_ends_the_run_promptly_and_the_run_resumes_exactly(
-    tmp_path: Path, reference: dict, rank: int, how: str, mode: str, cause: str
+    tmp_path: Path, reference: dict, rank: int, how: str, mode: str, cause: str, fraction: float
 ) -> None:
-    text, elapsed = failed_run(tmp_path, mode=mode, fault=Fault(rank, step=6, how=how))  # in the second epoch
+    fault = Fault(rank, step=6, how=how, at_start=fraction == 0)  # in the second epoch
+    text, elapsed = failed_run(tmp_path, mode=mode, fault=fault, cpu_fraction=fraction)
     assert elapsed < PROMPT_S
     role = ["cpu0", "stage0", "stage1"][rank]
     assert f"global rank {rank} ({role} of {LAYOUT})" in text
