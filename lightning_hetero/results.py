@@ -477,7 +477,10 @@ def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:
         value = valued[0].value
     else:
         value = _reduce(first.options.get("reduce_fx", "mean"), valued) if valued else None
-    states = tuple(state for i in items for state in i.states) if all(i.states for i in items) else ()
+    # The whole batch's metric value is computed from the shares' states (`relog`), except where one
+    # worker logged it: its forward gave that value from its one state, and no rank computes it again.
+    alone = len(items) == 1 and valued
+    states = tuple(state for i in items for state in i.states) if all(i.states for i in items) and not alone else ()
     return LoggedValue(name, value, weight, first.dtype, first.options, first.metric, states=states)
 
 
@@ -503,7 +506,7 @@ def relog(module: LightningModule, values: list[LoggedValue], device: torch.devi
         weight = int(item.weight) if float(item.weight).is_integer() else item.weight
         if item.metric is not None:
             metric = module.get_submodule(item.metric)
-            if len(item.states) > 1 or (item.states and item.value is None):  # the whole batch's value, from the shares' states
+            if item.states:  # the whole batch's value, from the shares' states
                 metric._forward_cache = _batch_value(metric, item.states)
             elif item.value is not None:
                 metric._forward_cache = torch.tensor(item.value, dtype=item.dtype, device=metric.device)
