@@ -351,11 +351,9 @@ class _Post:
 
     def send(self, obj: Any, ranks: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        buffer = torch.zeros(_HEADER + self.capacity, dtype=torch.uint8)
-        buffer[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buffer[_HEADER : _HEADER + min(len(data), self.capacity)] = payload[: self.capacity]
-        messages = [buffer] + ([payload[self.capacity :]] if len(data) > self.capacity else [])
+        messages = [_framed(data, self.capacity)]
+        if len(data) > self.capacity:
+            messages.append(torch.frombuffer(bytearray(data[self.capacity :]), dtype=torch.uint8))
         self.capacity = max(self.capacity, len(data))
         self.wait(_POSTED_AHEAD - 1)
         self._in_flight.append([(dist.isend(m, dst=r, group=self.group, tag=_POST_TAG), m) for r in ranks for m in messages])
@@ -409,10 +407,7 @@ class _Gather:
         return [pickle.loads(row[_HEADER : _HEADER + n].numpy().tobytes()) for row, n in zip(gathered, lengths)]
 
     def _gather(self, data: bytes, capacity: int) -> Tensor:
-        buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
-        buffer[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if len(data) <= capacity:
-            buffer[_HEADER : _HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffer = _framed(data, capacity)
         out = torch.empty(self._world, _HEADER + capacity, dtype=torch.uint8)
         if self._world > _PAIRWISE_UP_TO:
             dist.all_gather(list(out.unbind()), buffer, group=self.group)
@@ -424,6 +419,16 @@ class _Gather:
         for work in works:
             work.wait()
         return out
+
+
+def _framed(data: bytes, capacity: int) -> Tensor:
+    """``data``'s length, then as much of ``data`` as fits, in a buffer of ``_HEADER + capacity`` bytes."""
+    buffer = torch.zeros(_HEADER + capacity, dtype=torch.uint8)
+    buffer[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    fits = data[:capacity]
+    if fits:
+        buffer[_HEADER : _HEADER + len(fits)] = torch.frombuffer(bytearray(fits), dtype=torch.uint8)
+    return buffer
 
 
 _POST_TAG, _GATHER_TAG = 7301, 7303
