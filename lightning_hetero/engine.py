@@ -150,12 +150,9 @@ class StepEngine:
 
     def close(self) -> None:
         """The end of a fit, validation, test or prediction in this process: the sync's threads and
-        hooks go (its optimizer state stays readable, ``state_sync``), and what this rank sent is delivered."""
+        hooks go (its optimizer state stays readable, ``state_sync``)."""
         self._sync.close()
         self._sync = GradSync()
-        flush = getattr(self._exchange, "flush", None)
-        if flush is not None:
-            flush()
 
     def pace(self, speeds: Mapping[str, float]) -> None:
         """TESTING ONLY: emulate a worker of ``speeds[worker.speed_key]`` samples per second (none: real speed)."""

@@ -79,7 +79,10 @@ def place_rank(
     return StepEngine(
         worker=worker,
         exchange=ReportExchange(
-            groups.control, cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0, stages=groups.stage_reports
+            groups.control,
+            cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0,
+            stages=groups.stage_reports,
+            timeout=timeout,
         ),
         log=partial(relog, module, device=device),
         names=topology.device_names(),

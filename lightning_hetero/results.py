@@ -23,7 +23,6 @@ collected there.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import functools
@@ -33,6 +32,7 @@ import pickle
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
+
+from lightning_hetero.mesh import LocalMesh
 
 __all__ = [
     "LoggedValue",
@@ -270,25 +272,28 @@ class ReportExchange:
     """Every rank's report, on every rank, in one exchange over ``group`` (all ranks by default).
 
     ``dist.all_gather_object`` takes two collectives and several copies per call, which costs
-    milliseconds a step where processes share cores. Here each rank pickles its report into a
-    fixed-size buffer headed by its length, and one gather carries them all (``_Gather``: sends
-    between every pair in a small group, an all-gather in a larger one). Every rank sees
-    every length, so when a report outgrows the buffer all ranks agree to gather again at the
-    largest size, and keep that size from then on.
+    milliseconds a step where processes share cores. Here each rank pickles its report once and
+    sends it to every other. Where the group's processes all run on this host, over a Unix socket
+    between every pair (``mesh.LocalMesh``: the kernel wakes the receiver itself, where gloo's
+    thread would wait for a core); otherwise over gloo, in fixed-size buffers (``_Gather``).
 
     [Note: one-way exchange]
     In a batch of which the CPU workers compute nothing (the CPU fraction is 0, or the batch is
     too small to share), their reports are empty, and waiting for them would only make the stages
     wait for processes with nothing to tell: on a machine where they share cores, for a process's
-    turn to run Lightning's loop. So, on one node (``cpu_workers`` CPU workers, global ranks
+    turn to run Lightning's loop. So, on one host (``cpu_workers`` CPU workers, global ranks
     ``0 .. cpu_workers - 1``, then the stages), ``one_way=True`` has the stages share their reports
-    among themselves (``stages``, a gloo group of them; none where there is one stage) and the first
-    stage send them to every CPU worker without waiting (``_Post``: one message to each, released
-    once received, a few steps' worth at most in flight). Every rank ends with the same list, the CPU
-    workers' reports empty, except that a CPU worker keeps its own device stats (the stages and the
-    other CPU workers do not see them in such a step). Every rank decides ``one_way`` alike, from
-    the shares of the optimizer step's batches. (A CPU worker's own entry leaves out its noted
-    signals too, which every rank must agree on: they travel with the next step it computes in.)
+    among themselves (``stages``, a group of them; none where there is one stage) and the first
+    stage send them to every CPU worker without waiting for them to be read: a CPU worker may fall
+    a few steps behind, and the next step it computes in brings it level. Every rank ends with the
+    same list, the CPU workers' reports empty, except that a CPU worker keeps its own device stats
+    (the stages and the other CPU workers do not see them in such a step). Every rank decides
+    ``one_way`` alike, from the shares of the optimizer step's batches. (A CPU worker's own entry
+    leaves out its noted signals too, which every rank must agree on: they travel with the next
+    step it computes in.) Across hosts, every exchange goes both ways.
+
+    Collective: every rank of ``group`` builds its exchange at once (``timeout``: how long a rank
+    waits for another's report before the run fails).
     """
 
     def __init__(
@@ -298,88 +303,82 @@ class ReportExchange:
         *,
         cpu_workers: int = 0,
         stages: dist.ProcessGroup | None = None,
+        timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         self.group = group
-        self._all = _Gather(group, capacity)
-        self._stages = _Gather(stages, capacity) if stages is not None else None
+        self._rank = dist.get_rank(group)
+        self._mesh = LocalMesh.connect(group, timeout)
+        self._all: _Gather | _MeshGather
+        self._stages: _Gather | _MeshGather | None
+        if self._mesh is None:
+            self._all = _Gather(group, capacity)
+            self._stages = _Gather(stages, capacity) if stages is not None else None
+            cpu_workers = 0
+        else:
+            self._all = _MeshGather(self._mesh, range(dist.get_world_size(group)), self._rank)
+            self._stages = None
+            if stages is not None:
+                members = [r if group is None else dist.get_group_rank(group, r) for r in dist.get_process_group_ranks(stages)]
+                self._stages = _MeshGather(self._mesh, members, self._rank)
         self._cpu_workers = cpu_workers
-        self._rank = dist.get_rank()
-        self._post = _Post(group, capacity)
 
     @property
-    def capacity(self) -> int:
-        return self._all.capacity
+    def capacity(self) -> int | None:
+        """The size of the buffers that carry a report over gloo (``None`` over Unix sockets)."""
+        return self._all.capacity if isinstance(self._all, _Gather) else None
+
+    @property
+    def local(self) -> bool:
+        """The reports travel over Unix sockets (every rank on this host)."""
+        return self._mesh is not None
 
     def __call__(self, report: WorkerReport, one_way: bool = False) -> list[WorkerReport]:
         report.to_host()
         if not (one_way and self._cpu_workers):
             return self._all(report)
+        assert self._mesh is not None
         first_stage = self._cpu_workers
         if self._rank < first_stage:
-            stage_reports = self._post.receive(first_stage)
+            stage_reports = pickle.loads(self._mesh.receive(_POST, first_stage))
         else:
             stage_reports = self._stages(report) if self._stages is not None else [report]
             if self._rank == first_stage:
-                self._post.send(stage_reports, range(first_stage))
+                self._mesh.send(_POST, pickle.dumps(stage_reports, protocol=pickle.HIGHEST_PROTOCOL), range(first_stage))
         own = dataclasses.replace(report, signals=0)
         cpu_reports = [own if rank == self._rank else WorkerReport() for rank in range(first_stage)]
         return cpu_reports + stage_reports
 
-    def flush(self) -> None:
-        """Wait until the CPU workers have what was sent them (before the process groups go: a
-        process that left with a send in flight would break its CPU worker's receive)."""
-        self._post.wait(0)
+    def close(self) -> None:
+        if self._mesh is not None:
+            self._mesh.close()
 
 
-class _Post:
-    """Objects sent to other ranks without waiting for them to be received: one message of
-    ``_HEADER + capacity`` bytes to each (the object's pickled length, then its bytes; where it
-    outgrows the capacity, the rest follows in a second message, and both sides take its length as
-    the capacity from then on, as each learns it).
+class _MeshGather:
+    """Every member's object (``members``: ranks in the mesh's group), in the members' order, each
+    pickled once and sent to every other member over the mesh."""
 
-    A send completes once its receiver has read it, and waiting for that at the next step cost the
-    sender half a millisecond a step where processes share cores (gloo's thread that completes it
-    has to get a core). So the sender keeps what it sent (a sent buffer must live until then) and
-    waits only where more than ``_POSTED_AHEAD`` steps' sends are still in flight: a receiver may lag
-    a few steps behind, and the next collective between them brings it level.
-    """
+    def __init__(self, mesh: LocalMesh, members: Any, me: int) -> None:
+        self.mesh = mesh
+        self._members = list(members)
+        self._me = me
+        self._others = [m for m in self._members if m != me]
 
-    def __init__(self, group: dist.ProcessGroup | None, capacity: int) -> None:
-        self.group = group
-        self.capacity = capacity
-        self._in_flight: collections.deque[list[tuple[Any, Tensor]]] = collections.deque()
-
-    def send(self, obj: Any, ranks: Any) -> None:
+    def __call__(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        messages = [_framed(data, self.capacity)]
-        if len(data) > self.capacity:
-            messages.append(torch.frombuffer(bytearray(data[self.capacity :]), dtype=torch.uint8))
-        self.capacity = max(self.capacity, len(data))
-        self.wait(_POSTED_AHEAD - 1)
-        self._in_flight.append([(dist.isend(m, dst=r, group=self.group, tag=_POST_TAG), m) for r in ranks for m in messages])
+        frames = self.mesh.exchange(_GATHER, data, self._others) if self._others else {}
+        # Its own too from the bytes: every rank's list holds copies alike.
+        return [pickle.loads(data if m == self._me else frames[m]) for m in self._members]
 
-    def receive(self, src: int) -> Any:
-        buffer = torch.empty(_HEADER + self.capacity, dtype=torch.uint8)
-        dist.recv(buffer, src=src, group=self.group, tag=_POST_TAG)
-        length = int(buffer[:_HEADER].view(torch.int64))
-        data = buffer[_HEADER : _HEADER + min(length, self.capacity)].numpy().tobytes()
-        if length > self.capacity:
-            rest = torch.empty(length - self.capacity, dtype=torch.uint8)
-            dist.recv(rest, src=src, group=self.group, tag=_POST_TAG)
-            data += rest.numpy().tobytes()
-            self.capacity = length
-        return pickle.loads(data)
 
-    def wait(self, in_flight: int) -> None:
-        """Release what was received, and wait until at most ``in_flight`` steps' sends are left."""
-        while self._in_flight and (len(self._in_flight) > in_flight or all(w.is_completed() for w, _ in self._in_flight[0])):
-            for work, _ in self._in_flight.popleft():
-                work.wait()
+_GATHER, _POST = 1, 2
+"""The kinds of the mesh's messages."""
 
 
 class _Gather:
     """Every member's object, pickled into fixed-size buffers that every member sends every other
-    (``ReportExchange``).
+    over gloo (``ReportExchange``, across hosts). Every member sees every length, so when a report
+    outgrows the buffer all members agree to gather again at the largest size, and keep that size
+    from then on.
 
     In a group of a few processes the buffers go as sends and receives between every pair, all
     posted, then waited for. gloo runs a collective such as ``all_gather`` on a thread of its own,
@@ -431,10 +430,7 @@ def _framed(data: bytes, capacity: int) -> Tensor:
     return buffer
 
 
-_POST_TAG, _GATHER_TAG = 7301, 7303
-
-_POSTED_AHEAD = 4
-"""The most steps whose reports a sender has in flight to a receiver (``_Post``)."""
+_GATHER_TAG = 7303
 
 _PAIRWISE_UP_TO = 16
 """The largest group whose reports travel as sends between every pair (``_Gather``)."""

@@ -188,6 +188,11 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         return self._groups
 
     @property
+    def timeout(self) -> timedelta:
+        """How long a collective may wait before the run fails."""
+        return self._timeout
+
+    @property
     def is_distributed(self) -> bool:
         # Lightning then splits the data between nodes (`distributed_sampler_kwargs`); within a node
         # every rank sees the same batches (`process_dataloader`).

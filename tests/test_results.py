@@ -91,34 +91,47 @@ def _sent(rank: int, step: int) -> WorkerReport:
     return report(rank + 1, float(step), **logs)
 
 
+def _on_hosts_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank of the forked processes says it runs on a host of its own (they talk over gloo)."""
+    monkeypatch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank()}")
+
+
 def _share(rank: int, world: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    share, seen = ReportExchange(capacity=1024), []
+    share, seen = ReportExchange(capacity=1024, timeout=timedelta(seconds=30)), []
     for step in range(3):  # the third step fits the buffer grown in the second
-        seen.append((share(_sent(rank, step)), share.capacity))
+        seen.append((share(_sent(rank, step)), share.capacity, share.local))
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("pairwise_up_to", [16, 1], ids=["pairwise", "all-gather"])
-def test_reports_are_shared_whole_whatever_their_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pairwise_up_to: int) -> None:
-    """Sent between every pair in a small group, or all-gathered in a larger one."""
+@pytest.mark.parametrize(
+    "hosts, pairwise_up_to", [(1, 16), (3, 16), (3, 1)], ids=["one host", "hosts pairwise", "hosts all-gather"]
+)
+def test_reports_are_shared_whole_whatever_their_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: int, pairwise_up_to: int
+) -> None:
+    """On one host over Unix sockets; across hosts over gloo, sent between every pair in a small
+    group, or all-gathered in a larger one, in buffers that grow with the largest report."""
     monkeypatch.setattr("lightning_hetero.results._PAIRWISE_UP_TO", pairwise_up_to)
+    if hosts > 1:
+        _on_hosts_of_their_own(monkeypatch)
     world = 3
     mp.start_processes(_share, args=(world, tmp_path), nprocs=world, start_method="fork")
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for step in range(3):
         expected = [_sent(r, step) for r in range(world)]
         assert all(seen[step][0] == expected for seen in ranks)  # every report, in rank order, on every rank
-    capacities = [[capacity for _, capacity in seen] for seen in ranks]
+    assert all(local == (hosts == 1) for seen in ranks for _, _, local in seen)
+    capacities = [[capacity for _, capacity, _ in seen] for seen in ranks]
     big = len(pickle.dumps(_sent(1, 1), protocol=pickle.HIGHEST_PROTOCOL))
-    assert all(c == [1024, big, big] for c in capacities)  # grown together, and kept
+    assert all(c == ([None] * 3 if hosts == 1 else [1024, big, big]) for c in capacities)  # grown together, and kept
 
 
 def _stage_report(rank: int, step: int, world: int) -> WorkerReport:
-    """What a stage shares at ``step``: the last stage's report at step 2, sent one way, outgrows the
-    1 KiB message that carries the stages' reports to the CPU workers."""
+    """What a stage shares at ``step``: the last stage's report at step 2, sent one way, is larger
+    than the others (100 logged values)."""
     if (rank, step) == (world - 1, 2):
         return report(rank + 1, float(step), **{f"value{i}": (float(i), 1.0, {}) for i in range(100)})
     return _sent(rank, step)
@@ -128,14 +141,13 @@ def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     stages = dist.new_group(list(range(cpu_workers, world)), backend="gloo")
-    share = ReportExchange(capacity=1024, cpu_workers=cpu_workers, stages=stages if rank >= cpu_workers else None)
+    share = ReportExchange(cpu_workers=cpu_workers, stages=stages if rank >= cpu_workers else None, timeout=timedelta(seconds=30))
     seen = []
-    for step in range(4):  # one way, both ways, one way twice (the sends of one step released at the next)
+    for step in range(4):  # one way, both ways, one way twice
         one_way = step != 1
         # A CPU worker's noted signal stays out of even its own copy: every rank must agree on them.
         mine = WorkerReport(signals=1) if one_way and rank < cpu_workers else _stage_report(rank, step, world)
         seen.append(share(mine, one_way=one_way))
-    share.flush()  # the last step's reports delivered before the groups go
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     dist.destroy_process_group()
 
@@ -154,30 +166,39 @@ def test_a_step_without_a_cpu_share_tells_the_cpu_workers_one_way(tmp_path: Path
         assert all(seen[step] == expected for seen in ranks), step
 
 
+def test_across_hosts_every_exchange_goes_both_ways(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a host's own processes are sent reports one way: across hosts the CPU workers' reports
+    (here their noted signals) travel too, as in a step they compute in."""
+    _on_hosts_of_their_own(monkeypatch)
+    mp.start_processes(_one_way, args=(3, 1, tmp_path), nprocs=3, start_method="fork")
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(3)]
+    for step in (0, 2, 3):
+        expected = [WorkerReport(signals=1), _stage_report(1, step, 3), _stage_report(2, step, 3)]
+        assert all(seen[step] == expected for seen in ranks), step
+
+
 def _run_ahead(rank: int, tmp: Path, steps: int) -> None:
     store = dist.FileStore(str(tmp / "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=5))
-    share, seen = ReportExchange(capacity=1024, cpu_workers=1), []
+    share, seen = ReportExchange(cpu_workers=1, timeout=timedelta(seconds=5)), []
     if rank == 0:
         store.wait(["posted"])  # the CPU worker gets to its receives only once the stage has sent them all
     for step in range(steps):
         seen.append(share(WorkerReport() if rank == 0 else _sent(rank, step), one_way=True))
     if rank == 1:
         store.set("posted", "1")
-    share.flush()
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # the stage's process may end before the CPU worker has read what it sent
 
 
-def test_the_stages_send_one_way_a_few_steps_ahead_of_the_cpu_workers(tmp_path: Path) -> None:
-    """A send completes only once its receiver has read it: the stage does not wait for that at its
-    next step, and goes on while a CPU worker is a few steps behind (here held back until the stage
-    has sent them all; a stage that waited would time out)."""
-    from lightning_hetero.results import _POSTED_AHEAD
-
-    mp.start_processes(_run_ahead, args=(tmp_path, _POSTED_AHEAD), nprocs=2, start_method="fork")
+def test_the_stages_send_one_way_ahead_of_the_cpu_workers(tmp_path: Path) -> None:
+    """The stage does not wait for a CPU worker to read what it sent: it goes on while the CPU
+    worker is many steps behind (here held back until the stage has sent them all; a stage that
+    waited would time out)."""
+    steps = 20
+    mp.start_processes(_run_ahead, args=(tmp_path, steps), nprocs=2, start_method="fork")
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
-    assert ranks[0] == ranks[1] == [[WorkerReport(), _sent(1, step)] for step in range(_POSTED_AHEAD)]
+    assert ranks[0] == ranks[1] == [[WorkerReport(), _sent(1, step)] for step in range(steps)]
 
 
 def _sync_metrics(rank: int, world: int, tmp: Path) -> None:

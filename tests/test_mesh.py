@@ -1,0 +1,144 @@
+"""Messages between the processes of one host over Unix sockets (``lightning_hetero.mesh``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_hetero.mesh import LocalMesh
+
+
+def _rank(rank: int, world: int, tmp: Path, body: Callable[[int, LocalMesh | None, dist.Store], Any], timeout: float) -> None:
+    store = dist.FileStore(str(tmp / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    mesh = LocalMesh.connect(None, timedelta(seconds=timeout))
+    try:
+        result = body(rank, mesh, store)
+    except Exception as error:  # what the rank raised is the result
+        result = error
+    (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def _run(tmp: Path, world: int, body: Callable, timeout: float = 30.0) -> list[Any]:
+    mp.start_processes(_rank, args=(world, tmp, body, timeout), nprocs=world, start_method="fork")
+    found = [tmp / f"rank{r}.pkl" for r in range(world)]
+    return [pickle.loads(f.read_bytes()) if f.exists() else None for f in found]  # (none from a rank that ended)
+
+
+def _exchange_big(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    # Far more than a socket's buffer, both ways at once: each side must read while it sends.
+    mine = bytes([rank]) * (8 << 20)
+    got = mesh.exchange(1, mine, [1 - rank])
+    small = mesh.exchange(1, b"after", [1 - rank])  # the stream goes on, frame after frame
+    return got[1 - rank] == bytes([1 - rank]) * (8 << 20), small[1 - rank]
+
+
+def test_messages_larger_than_a_sockets_buffer_cross_both_ways_at_once(tmp_path: Path) -> None:
+    assert _run(tmp_path, 2, _exchange_big) == [(True, b"after")] * 2
+
+
+def _ahead(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        for step in range(5):
+            mesh.send(2, f"step {step}".encode(), [0])
+        mesh.send(1, b"now both ways", [0])
+        store.set("sent", "1")
+        return mesh.exchange(1, b"from 1", [0])
+    store.wait(["sent"])  # everything is sent before the first is read
+    posts = [mesh.receive(2, 1) for _ in range(5)]
+    return posts, mesh.receive(1, 1), mesh.exchange(1, b"from 0", [1])
+
+
+def test_frames_sent_ahead_are_read_in_order_of_sending(tmp_path: Path) -> None:
+    zero, one = _run(tmp_path, 2, _ahead)
+    assert zero == ([f"step {s}".encode() for s in range(5)], b"now both ways", {1: b"from 1"})
+    assert one == {0: b"from 0"}
+
+
+def _one_ends(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        os._exit(0)  # no reply, no goodbye
+    start = time.monotonic()
+    try:
+        mesh.exchange(1, b"hello", [1])
+    except ConnectionError as error:
+        return str(error), time.monotonic() - start
+
+
+def test_a_peer_that_ends_fails_the_wait_at_once_with_its_name(tmp_path: Path) -> None:
+    message, waited = _run(tmp_path, 2, _one_ends)[0]
+    assert "Global rank 1 closed its connection" in message
+    assert waited < 10  # not the 30 s timeout
+
+
+def _one_leaves_early(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:  # tells both, hears from both, and goes
+        got = mesh.exchange(1, b"one", [0, 2])
+        mesh.close()
+        store.set("closed", "1")
+        return got
+    if rank == 2:  # answers rank 1 first, and rank 0 only once rank 1 has gone
+        got = mesh.exchange(1, b"two", [1])
+        store.wait(["closed"])
+        mesh.send(1, b"two", [0])
+        return got
+    return mesh.exchange(1, b"zero", [1, 2])
+
+
+def test_a_peer_that_ends_after_its_part_is_no_error(tmp_path: Path) -> None:
+    """Rank 0 waits for rank 2 while rank 1, whose message it has, closes its end."""
+    assert _run(tmp_path, 3, _one_leaves_early) == [{1: b"one", 2: b"two"}, {0: b"zero", 2: b"two"}, {1: b"one"}]
+
+
+def _one_hangs(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        store.wait(["failed"])  # alive, and silent, until the other gave up
+        return None
+    try:
+        mesh.receive(1, 1)
+    except TimeoutError as error:
+        return str(error)
+    finally:
+        store.set("failed", "1")
+
+
+def test_a_peer_that_neither_answers_nor_ends_fails_the_wait_after_the_timeout(tmp_path: Path) -> None:
+    message = _run(tmp_path, 2, _one_hangs, timeout=0.5)[0]
+    assert message is not None and "Waited 0.5 s" in message and "global rank(s) 1" in message
+
+
+def _out_of_step(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        mesh.send(2, b"a post", [0])
+        store.wait(["done"])
+        return None
+    try:
+        return mesh.exchange(1, b"a gather", [1])
+    finally:
+        store.set("done", "1")
+
+
+def test_a_message_of_another_kind_than_is_due_is_an_error(tmp_path: Path) -> None:
+    error = _run(tmp_path, 2, _out_of_step)[0]
+    assert isinstance(error, RuntimeError) and "out of step" in str(error)
+
+
+def _connected(rank: int, mesh: LocalMesh | None, store: dist.Store) -> Any:
+    return mesh is not None
+
+
+def test_processes_on_several_hosts_make_no_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    assert _run(one, 3, _connected) == [True] * 3
+    monkeypatch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank() % 2}")
+    assert _run(two, 3, _connected) == [False] * 3  # every rank alike
