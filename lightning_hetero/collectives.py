@@ -4,7 +4,9 @@ Every rank of a hetero run joins one gloo group over all of them, the *control* 
 (``topology.ProcessGroups.control``): a CPU worker and a GPU stage can both talk on it, where an
 NCCL group would leave the CPU out. ``ControlCollectives`` gives a strategy Lightning's
 ``reduce``, ``all_gather``, ``barrier`` and ``broadcast`` over it (tensors travel through a CPU
-copy and come back on their device), and ``gather`` for any picklable object.
+copy and come back on their device), and ``gather`` for any picklable object. Where every rank
+runs on this host, objects (``broadcast``, ``gather``) travel over Unix sockets between the ranks
+instead (``local_mesh``, ``mesh.py``), which a busy core does not hold up as it does gloo's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.topology import gather_object_to
 
 __all__ = ["ControlCollectives"]
@@ -32,6 +35,11 @@ class ControlCollectives:
     def control_group(self) -> Optional[dist.ProcessGroup]:
         raise NotImplementedError
 
+    @property
+    def local_mesh(self) -> Optional[LocalMesh]:
+        """Unix sockets between every rank, where all run on this host (the control group's ranks)."""
+        return None
+
     def ranks_gone(self) -> Optional[str]:
         """Between trainer calls: which ranks of the run this process can tell have ended (``None``:
         none, or it cannot tell)."""
@@ -43,7 +51,7 @@ class ControlCollectives:
         left the script, the error says which and why."""
         try:
             yield
-        except RuntimeError as error:  # gloo: "Connection closed by peer"
+        except (RuntimeError, ConnectionError, TimeoutError) as error:  # gloo: "Connection closed by peer"
             gone = self.ranks_gone()
             if gone:
                 error.add_note(
@@ -56,7 +64,10 @@ class ControlCollectives:
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
         """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
         collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
-        group = self.control_group
+        group, mesh = self.control_group, self.local_mesh
+        if mesh is not None:
+            with self.every_rank("Gathering"):
+                return (mesh.gather_object(obj, dst) or []) if dst is not None else mesh.all_gather_object(obj)
         if dst is not None:
             with self.every_rank("Gathering"):
                 return gather_object_to(obj, dst, group) or []
@@ -86,6 +97,10 @@ class ControlCollectives:
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
+        mesh = self.local_mesh
+        if mesh is not None:
+            with self.every_rank("Broadcasting"):
+                return mesh.broadcast_object(obj, src)
         box = [obj]
         with self.every_rank("Broadcasting"):
             dist.broadcast_object_list(box, src, group=self.control_group)

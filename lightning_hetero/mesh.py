@@ -12,7 +12,9 @@ stages, the exchange went from 2.2 ms to 0.26 ms.
 
 ``LocalMesh.connect`` joins every pair of a group's processes with a Unix stream socket (in
 Linux's abstract namespace: nothing on disk to clean up), where all of them run on this host; a
-group that spans hosts, or a platform without them, keeps to gloo (``None``). Messages are frames:
+group that spans hosts, or a platform without them, keeps to gloo (``None``). The strategy makes
+one over every rank, once per process; the steps' reports and the strategy's object collectives
+(``gather``, ``broadcast``: the rebalancer's every few steps, Lightning's own) use it. Messages are frames:
 a kind, a length, then the bytes, in the order they were sent; a sender never waits for its
 receiver to read, unless the socket's buffer is full. A peer that ends closes its sockets, so a
 rank waiting for it fails at once, naming it; a peer that neither sends nor ends fails the wait
@@ -22,6 +24,7 @@ after the group's timeout, as a gloo collective would.
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import select
 import socket
@@ -30,11 +33,14 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["LocalMesh"]
+__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS"]
+
+REPORTS, POSTS, OBJECTS = 1, 2, 3
+"""The kinds of frames: the steps' reports both ways, those sent one way, any other objects."""
 
 _HEAD = struct.Struct("<IQ")
 """A frame's kind and the length of its bytes."""
@@ -49,8 +55,10 @@ class LocalMesh:
     Peers are named by their rank in the group. Not thread-safe: one thread uses a mesh (the one
     that runs the steps)."""
 
-    def __init__(self, sockets: dict[int, socket.socket], global_ranks: Sequence[int], timeout: timedelta) -> None:
+    def __init__(self, sockets: dict[int, socket.socket], rank: int, global_ranks: Sequence[int], timeout: timedelta) -> None:
+        self.rank, self.size = rank, len(global_ranks)
         self._sockets = sockets
+        self._others = [r for r in range(self.size) if r != rank]
         self._global = list(global_ranks)
         self._timeout = timeout.total_seconds()
         self._inbox = {peer: bytearray() for peer in sockets}
@@ -104,12 +112,34 @@ class LocalMesh:
         finally:
             listener.close()
         global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-        return cls(sockets, global_ranks, timeout)
+        return cls(sockets, rank, global_ranks, timeout)
 
     def close(self) -> None:
         for s in self._sockets.values():
             s.close()
         self._sockets.clear()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), by rank (copies, this rank's too)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        frames = self.exchange(OBJECTS, data, self._others)
+        return [pickle.loads(data if r == self.rank else frames[r]) for r in range(self.size)]
+
+    def gather_object(self, obj: Any, dst: int) -> Optional[list[Any]]:
+        """Every rank's ``obj``, by rank, on rank ``dst``; ``None`` on the others."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.rank != dst:
+            self.send(OBJECTS, data, [dst])
+            return None
+        frames = self._transfer(OBJECTS, b"", [], self._others)
+        return [pickle.loads(data if r == self.rank else frames[r]) for r in range(self.size)]
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (itself on ``src``, a copy elsewhere)."""
+        if self.rank == src:
+            self.send(OBJECTS, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), self._others)
+            return obj
+        return pickle.loads(self.receive(OBJECTS, src))
 
     def exchange(self, kind: int, data: bytes, peers: Iterable[int]) -> dict[int, bytes]:
         """Send ``data`` to every one of ``peers`` and receive a frame of ``kind`` from each."""

@@ -80,9 +80,9 @@ def place_rank(
         worker=worker,
         exchange=ReportExchange(
             groups.control,
+            mesh=groups.mesh,
             cpu_workers=topology.cpu_workers if topology.num_nodes == 1 else 0,
             stages=groups.stage_reports,
-            timeout=timeout,
         ),
         log=partial(relog, module, device=device),
         names=topology.device_names(),

@@ -32,7 +32,6 @@ import pickle
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_hetero.mesh import LocalMesh
+from lightning_hetero.mesh import POSTS, REPORTS, LocalMesh
 
 __all__ = [
     "LoggedValue",
@@ -292,8 +291,8 @@ class ReportExchange:
     leaves out its noted signals too, which every rank must agree on: they travel with the next
     step it computes in.) Across hosts, every exchange goes both ways.
 
-    Collective: every rank of ``group`` builds its exchange at once (``timeout``: how long a rank
-    waits for another's report before the run fails).
+    ``mesh``: the Unix sockets between ``group``'s processes (``LocalMesh.connect``), where they all
+    run on this host; ``None``: gloo (and no one-way exchange).
     """
 
     def __init__(
@@ -301,36 +300,31 @@ class ReportExchange:
         group: dist.ProcessGroup | None = None,
         capacity: int = 4096,
         *,
+        mesh: LocalMesh | None = None,
         cpu_workers: int = 0,
         stages: dist.ProcessGroup | None = None,
-        timeout: timedelta = timedelta(minutes=5),
     ) -> None:
         self.group = group
         self._rank = dist.get_rank(group)
-        self._mesh = LocalMesh.connect(group, timeout)
+        self._mesh = mesh
         self._all: _Gather | _MeshGather
         self._stages: _Gather | _MeshGather | None
-        if self._mesh is None:
+        if mesh is None:
             self._all = _Gather(group, capacity)
             self._stages = _Gather(stages, capacity) if stages is not None else None
             cpu_workers = 0
         else:
-            self._all = _MeshGather(self._mesh, range(dist.get_world_size(group)), self._rank)
+            self._all = _MeshGather(mesh, range(dist.get_world_size(group)), self._rank)
             self._stages = None
             if stages is not None:
                 members = [r if group is None else dist.get_group_rank(group, r) for r in dist.get_process_group_ranks(stages)]
-                self._stages = _MeshGather(self._mesh, members, self._rank)
+                self._stages = _MeshGather(mesh, members, self._rank)
         self._cpu_workers = cpu_workers
 
     @property
     def capacity(self) -> int | None:
         """The size of the buffers that carry a report over gloo (``None`` over Unix sockets)."""
         return self._all.capacity if isinstance(self._all, _Gather) else None
-
-    @property
-    def local(self) -> bool:
-        """The reports travel over Unix sockets (every rank on this host)."""
-        return self._mesh is not None
 
     def __call__(self, report: WorkerReport, one_way: bool = False) -> list[WorkerReport]:
         report.to_host()
@@ -339,18 +333,14 @@ class ReportExchange:
         assert self._mesh is not None
         first_stage = self._cpu_workers
         if self._rank < first_stage:
-            stage_reports = pickle.loads(self._mesh.receive(_POST, first_stage))
+            stage_reports = pickle.loads(self._mesh.receive(POSTS, first_stage))
         else:
             stage_reports = self._stages(report) if self._stages is not None else [report]
             if self._rank == first_stage:
-                self._mesh.send(_POST, pickle.dumps(stage_reports, protocol=pickle.HIGHEST_PROTOCOL), range(first_stage))
+                self._mesh.send(POSTS, pickle.dumps(stage_reports, protocol=pickle.HIGHEST_PROTOCOL), range(first_stage))
         own = dataclasses.replace(report, signals=0)
         cpu_reports = [own if rank == self._rank else WorkerReport() for rank in range(first_stage)]
         return cpu_reports + stage_reports
-
-    def close(self) -> None:
-        if self._mesh is not None:
-            self._mesh.close()
 
 
 class _MeshGather:
@@ -365,13 +355,9 @@ class _MeshGather:
 
     def __call__(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        frames = self.mesh.exchange(_GATHER, data, self._others) if self._others else {}
+        frames = self.mesh.exchange(REPORTS, data, self._others) if self._others else {}
         # Its own too from the bytes: every rank's list holds copies alike.
         return [pickle.loads(data if m == self._me else frames[m]) for m in self._members]
-
-
-_GATHER, _POST = 1, 2
-"""The kinds of the mesh's messages."""
 
 
 class _Gather:

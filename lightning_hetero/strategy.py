@@ -54,6 +54,7 @@ from lightning_hetero.finite import NonfinitePolicy, check_policy
 from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
 from lightning_hetero.layout import Planner, RunLayout
 from lightning_hetero.loading import LoaderPolicy, check_loader_policy, tunable
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.module import check_copies_agree, check_optimizers
 from lightning_hetero.monitored import guard_monitored_values
 from lightning_hetero.offload import BucketStep
@@ -186,11 +187,6 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     @property
     def process_groups(self) -> Optional[ProcessGroups]:
         return self._groups
-
-    @property
-    def timeout(self) -> timedelta:
-        """How long a collective may wait before the run fails."""
-        return self._timeout
 
     @property
     def is_distributed(self) -> bool:
@@ -492,6 +488,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def control_group(self) -> Optional[dist.ProcessGroup]:
         """The gloo group of every rank, which Lightning's collectives run over (``collectives.py``)."""
         return self._groups.control if self._groups is not None else None
+
+    @property
+    def local_mesh(self) -> Optional[LocalMesh]:
+        return self._groups.mesh if self._groups is not None else None
 
     # -------------------------------------------------------------- checkpoints
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.numa import format_cpulist
 
 __all__ = [
@@ -299,6 +300,8 @@ class ProcessGroups:
     with the same local rank on every other node (gloo: gradients travel as CPU buffers).
     ``stage_reports`` joins the stages of a single node with CPU workers and several stages, on
     gloo, for the steps' results where the CPU workers have no share (``results.ReportExchange``).
+    ``mesh`` joins every rank over Unix sockets where all run on this host (``mesh.LocalMesh``): the
+    steps' results and the strategy's object collectives travel over it.
 
     Where the devices hold replicas, ``stage`` joins the node's device replicas (on gloo), which sum
     without the CPU workers when those have no share, and ``sync`` has one group: the node's every
@@ -311,6 +314,7 @@ class ProcessGroups:
     sync: list[dist.ProcessGroup | None]
     replica: dist.ProcessGroup | None
     stage_reports: dist.ProcessGroup | None = None
+    mesh: LocalMesh | None = None
 
 
 def world_backend(topology: Topology) -> str:
@@ -359,7 +363,13 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
         group = dist.new_group(topology.stage_ranks(0), timeout=timeout, backend="gloo")
         stage_reports = group if global_rank in topology.stage_ranks(0) else None
     return ProcessGroups(
-        control=control, node=node_group, stage=stage_group, sync=sync, replica=replica, stage_reports=stage_reports
+        control=control,
+        node=node_group,
+        stage=stage_group,
+        sync=sync,
+        replica=replica,
+        stage_reports=stage_reports,
+        mesh=LocalMesh.connect(control, timeout),
     )
 
 

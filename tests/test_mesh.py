@@ -10,11 +10,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hetero.mesh import LocalMesh
+
+from tests.conftest import hetero, trainer
+from tests.models import Net, regression_data
 
 
 def _rank(rank: int, world: int, tmp: Path, body: Callable[[int, LocalMesh | None, dist.Store], Any], timeout: float) -> None:
@@ -142,3 +146,45 @@ def test_processes_on_several_hosts_make_no_mesh(tmp_path: Path, monkeypatch: py
     assert _run(one, 3, _connected) == [True] * 3
     monkeypatch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank() % 2}")
     assert _run(two, 3, _connected) == [False] * 3  # every rank alike
+
+
+def _objects(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    mine = {"rank": rank, "blob": bytes([rank]) * (100_000 if rank == 1 else 10)}
+    return mesh.all_gather_object(mine), mesh.gather_object(mine, dst=2), mesh.broadcast_object(("from", rank), src=1)
+
+
+def test_objects_are_gathered_and_broadcast_as_torchs_object_collectives_do(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, 3, _objects)
+    every = [{"rank": r, "blob": bytes([r]) * (100_000 if r == 1 else 10)} for r in range(3)]
+    assert [r[0] for r in ranks] == [every] * 3
+    assert [r[1] for r in ranks] == [None, None, every]
+    assert [r[2] for r in ranks] == [("from", 1)] * 3
+
+
+class _Collects(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy, rank, step = trainer.strategy, trainer.global_rank, trainer.global_step
+        seen = (
+            strategy.local_mesh is not None,  # type: ignore[attr-defined]
+            strategy.broadcast({"step": step, "from": rank}, src=1),
+            strategy.gather(rank * 10),  # type: ignore[attr-defined]
+            strategy.gather(rank, dst=0),  # type: ignore[attr-defined]
+        )
+        (self.out / f"{rank}-{step}.pkl").write_bytes(pickle.dumps(seen))
+
+
+@pytest.mark.parametrize("hosts", [1, 3], ids=["one host", "hosts of their own"])
+def test_the_strategys_object_collectives_go_over_the_mesh_on_one_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: int
+) -> None:
+    """``broadcast`` and ``gather`` (Lightning's, the rebalancer's) give the same over either way."""
+    if hosts > 1:
+        monkeypatch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank()}")
+    trainer(hetero(cpu_workers=1), max_steps=2, callbacks=[_Collects(tmp_path)]).fit(Net(), regression_data())
+    for rank in range(3):
+        for step in (1, 2):
+            seen = pickle.loads((tmp_path / f"{rank}-{step}.pkl").read_bytes())
+            assert seen == (hosts == 1, {"step": step, "from": 1}, [0, 10, 20], [0, 1, 2] if rank == 0 else []), (rank, step)

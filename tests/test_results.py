@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import LightningModule
 
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.results import (
     LogCapture,
     LoggedValue,
@@ -99,9 +100,9 @@ def _on_hosts_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
 def _share(rank: int, world: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    share, seen = ReportExchange(capacity=1024, timeout=timedelta(seconds=30)), []
+    share, seen = ReportExchange(capacity=1024, mesh=LocalMesh.connect(None, timedelta(seconds=30))), []
     for step in range(3):  # the third step fits the buffer grown in the second
-        seen.append((share(_sent(rank, step)), share.capacity, share.local))
+        seen.append((share(_sent(rank, step)), share.capacity))
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     dist.destroy_process_group()
 
@@ -113,7 +114,8 @@ def test_reports_are_shared_whole_whatever_their_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: int, pairwise_up_to: int
 ) -> None:
     """On one host over Unix sockets; across hosts over gloo, sent between every pair in a small
-    group, or all-gathered in a larger one, in buffers that grow with the largest report."""
+    group, or all-gathered in a larger one, in buffers that grow with the largest report (``None``:
+    over sockets, none)."""
     monkeypatch.setattr("lightning_hetero.results._PAIRWISE_UP_TO", pairwise_up_to)
     if hosts > 1:
         _on_hosts_of_their_own(monkeypatch)
@@ -123,8 +125,7 @@ def test_reports_are_shared_whole_whatever_their_size(
     for step in range(3):
         expected = [_sent(r, step) for r in range(world)]
         assert all(seen[step][0] == expected for seen in ranks)  # every report, in rank order, on every rank
-    assert all(local == (hosts == 1) for seen in ranks for _, _, local in seen)
-    capacities = [[capacity for _, capacity, _ in seen] for seen in ranks]
+    capacities = [[capacity for _, capacity in seen] for seen in ranks]
     big = len(pickle.dumps(_sent(1, 1), protocol=pickle.HIGHEST_PROTOCOL))
     assert all(c == ([None] * 3 if hosts == 1 else [1024, big, big]) for c in capacities)  # grown together, and kept
 
@@ -141,7 +142,8 @@ def _one_way(rank: int, world: int, cpu_workers: int, tmp: Path) -> None:
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     stages = dist.new_group(list(range(cpu_workers, world)), backend="gloo")
-    share = ReportExchange(cpu_workers=cpu_workers, stages=stages if rank >= cpu_workers else None, timeout=timedelta(seconds=30))
+    mesh = LocalMesh.connect(None, timedelta(seconds=30))
+    share = ReportExchange(mesh=mesh, cpu_workers=cpu_workers, stages=stages if rank >= cpu_workers else None)
     seen = []
     for step in range(4):  # one way, both ways, one way twice
         one_way = step != 1
@@ -180,7 +182,7 @@ def test_across_hosts_every_exchange_goes_both_ways(tmp_path: Path, monkeypatch:
 def _run_ahead(rank: int, tmp: Path, steps: int) -> None:
     store = dist.FileStore(str(tmp / "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=5))
-    share, seen = ReportExchange(cpu_workers=1, timeout=timedelta(seconds=5)), []
+    share, seen = ReportExchange(mesh=LocalMesh.connect(None, timedelta(seconds=5)), cpu_workers=1), []
     if rank == 0:
         store.wait(["posted"])  # the CPU worker gets to its receives only once the stage has sent them all
     for step in range(steps):

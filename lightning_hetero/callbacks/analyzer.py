@@ -367,13 +367,14 @@ class WorkloadAnalyzer(L.Callback):
         """Seconds to share a step's results (loss and a few logged values) between the ranks, all
         ranks at once as in the run (median of ``repeats`` after two warm-ups)."""
         report = WorkerReport(samples=1, loss=0.0, loss_dtype=torch.float32, logs=[])
-        share = ReportExchange(strategy.process_groups.control, timeout=strategy.timeout)  # type: ignore[union-attr]
+        groups = strategy.process_groups
+        assert groups is not None
+        share = ReportExchange(groups.control, mesh=groups.mesh)
         times = []
         for _ in range(repeats + 2):
             start = time.perf_counter()
             share(report)
             times.append(time.perf_counter() - start)
-        share.close()
         return statistics.median(times[2:])
 
     def _measure_links(self, strategy: "HeteroStrategy", model_bytes: int, layer_bytes: int) -> dict[str, LinkProfile]:
