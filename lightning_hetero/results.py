@@ -354,8 +354,10 @@ class _MeshGather:
         self._others = [m for m in self._members if m != me]
 
     def __call__(self, obj: Any) -> list[Any]:
+        if not self._others:  # a group of one has nobody to tell
+            return [obj]
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        frames = self.mesh.exchange(REPORTS, data, self._others) if self._others else {}
+        frames = self.mesh.exchange(REPORTS, data, self._others)
         # Its own too from the bytes: every rank's list holds copies alike.
         return [pickle.loads(data if m == self._me else frames[m]) for m in self._members]
 
