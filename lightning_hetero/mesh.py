@@ -13,7 +13,7 @@ stages, the exchange went from 2.2 ms to 0.26 ms.
 ``LocalMesh.connect`` joins every pair of a group's processes with a Unix stream socket (in
 Linux's abstract namespace: nothing on disk to clean up), where all of them run on this host; a
 group that spans hosts, or a platform without them, keeps to gloo (``None``). The strategy makes
-one over every rank, once per process; the steps' reports and the strategy's object collectives
+one over every rank with its process groups; the steps' reports and the strategy's object collectives
 (``gather``, ``broadcast``: the rebalancer's every few steps, Lightning's own) use it. Messages are frames:
 a kind, a length, then the bytes, in the order they were sent; a sender never waits for its
 receiver to read, unless the socket's buffer is full. A peer that ends closes its sockets, so a
