@@ -412,3 +412,42 @@ def test_a_resumed_run_keeps_the_split(tmp_path: Path) -> None:
 def test_the_loops_jitter_is_a_number_of_seconds() -> None:
     with pytest.raises(ValueError, match="`loading_jitter_s=-1` must be a number of seconds"):
         AdaptiveRebalancer(loading_jitter_s=-1)
+
+
+class _Broadcasts(L.Callback):
+    """Every rank notes what rank 0 broadcast at each step's end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        got = trainer.strategy.broadcast(("step", trainer.global_step), src=0)
+        with open(self.out / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(list(got)) + "\n")
+
+
+def test_a_new_split_of_the_cores_is_saved_without_a_collective_on_rank_zero_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the warm-up moves the cores and no `save_dir` is given, the plan's folder is the
+    trainer's `log_dir`, itself a broadcast: asked on rank 0 only, it left every later broadcast
+    one message behind on the other ranks."""
+    import lightning_hetero.callbacks.analyzer as analyzer
+
+    found = analyzer.split_cores
+
+    def moved(*args: Any, **kwargs: Any) -> CoreSplit:  # a worker more than it found: always a new split
+        split = found(*args, **kwargs)
+        return replace(split, dataloader_workers=split.dataloader_workers + 1)
+
+    monkeypatch.setattr(analyzer, "split_cores", moved)
+    data = DataLoader(BusyData(12 * BATCH, cost=HEAVY / 8), batch_size=BATCH, drop_last=True)
+    run = trainer(
+        hetero(stages=["cpu"], cpu_workers=1),
+        max_steps=8,
+        callbacks=[WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=2, measure_steps=1), _Broadcasts(tmp_path)],
+        default_root_dir=str(tmp_path),
+    )
+    run.fit(Net(), data)
+    seen = [[json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()] for r in range(2)]
+    assert seen[0] == seen[1] == [["step", step] for step in range(1, 9)]

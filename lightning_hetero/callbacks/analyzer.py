@@ -656,8 +656,9 @@ class WorkloadAnalyzer(L.Callback):
         strategy.set_cpu_threads(checked.cpu_threads)
         strategy.set_stage_threads(checked.stage_threads)
         self._workers_next_epoch = checked.dataloader_workers
+        directory = self._directory(trainer)  # on every rank: `trainer.log_dir` is a collective
         if trainer.is_global_zero:
-            self.plan.save(self._directory(trainer) / "plan.yaml")
+            self.plan.save(directory / "plan.yaml")
         rank_zero_info(
             f"WorkloadAnalyzer: the cores, split for the warm-up's step ({compute * 1e3:.1f} ms of compute):"
             f" {checked.dataloader_workers} DataLoader worker(s) per rank from the next epoch; threads per CPU worker"
