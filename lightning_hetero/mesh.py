@@ -73,13 +73,16 @@ class LocalMesh:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         listener, name = None, None
         if sys.platform == "linux":
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            name = f"\0lightning-hetero-{os.getpid()}-{secrets.token_hex(8)}"
-            listener.bind(name)
-            listener.listen(size)
+            try:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                name = f"\0lightning-hetero-{os.getpid()}-{secrets.token_hex(8)}"
+                listener.bind(name)
+                listener.listen(size)
+            except OSError:  # a sandbox without Unix sockets: gloo, on every rank alike
+                listener, name = None, None
         found: list = [None] * size
-        dist.all_gather_object(found, (_host(), name), group=group)
-        if any(n is None for _, n in found) or len({host for host, _ in found}) > 1:
+        dist.all_gather_object(found, (_host(), name, os.getpid()), group=group)
+        if any(n is None for _, n, _ in found) or len({host for host, _, _ in found}) > 1:
             if listener is not None:
                 listener.close()
             return None
@@ -108,7 +111,15 @@ class LocalMesh:
             for _ in range(size - 1 - rank):  # and accepts those after it
                 s, _ = listener.accept()
                 s.settimeout(timeout.total_seconds())
-                sockets[int.from_bytes(_read_exactly(s, 8), "little")] = s
+                peer = int.from_bytes(_read_exactly(s, 8), "little")
+                pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+                if not rank < peer < size or peer in sockets or pid != found[peer][2]:
+                    s.close()
+                    raise ConnectionError(
+                        f"[hetero] A process (pid {pid}) that is not global rank {peer} of this run connected to"
+                        " the run's sockets while its processes were connecting."
+                    )
+                sockets[peer] = s
         finally:
             listener.close()
         global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
@@ -175,7 +186,7 @@ class LocalMesh:
             if not events:
                 waiting = sorted(set(sending) | (set(want) - set(got)))
                 raise TimeoutError(
-                    f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for the steps' results to travel"
+                    f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a message to travel"
                     f" to or from global rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither"
                     " answered nor ended: a process that hangs, or one far behind the others."
                 )
@@ -189,6 +200,8 @@ class LocalMesh:
                         poller.modify(self._sockets[peer], select.POLLIN)
                     else:
                         sending[peer] = rest[sent:]
+                if event & select.POLLNVAL:
+                    raise self._gone(peer)
                 if event & (select.POLLIN | select.POLLHUP | select.POLLERR):
                     # Into the inbox, even from a peer whose frame is not due (it may be sending to us).
                     is_open = self._read(peer)
@@ -202,7 +215,7 @@ class LocalMesh:
 
     def _send_some(self, peer: int, data: memoryview) -> int:
         try:
-            return self._sockets[peer].send(data)
+            return self._sockets[peer].send(data, socket.MSG_NOSIGNAL)
         except BlockingIOError:
             return 0
         except (BrokenPipeError, ConnectionResetError) as error:
@@ -238,8 +251,8 @@ class LocalMesh:
 
     def _gone(self, peer: int) -> ConnectionError:
         return ConnectionError(
-            f"[hetero] Global rank {self._global[peer]} closed its connection to this process: it ended, or failed"
-            " (its own error says why)."
+            f"[hetero] Connection closed by peer: global rank {self._global[peer]} closed its connection to this"
+            " process; it ended, or failed (its own error says why)."
         )
 
 

@@ -157,7 +157,7 @@ def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeo
 
     def group(ranks: list[int] | None = None) -> dist.ProcessGroup:
         # Groups of their own: the step's other collectives may run beside these (fine mode's
-        # bucket sums on a side thread, the one-way exchange).
+        # bucket sums on a side thread).
         return dist.new_group(ranks, backend="gloo", timeout=timeout)
 
     everyone = group()

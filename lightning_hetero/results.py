@@ -284,7 +284,8 @@ class ReportExchange:
     ``0 .. cpu_workers - 1``, then the stages), ``one_way=True`` has the stages share their reports
     among themselves (``stages``, a group of them; none where there is one stage) and the first
     stage send them to every CPU worker without waiting for them to be read: a CPU worker may fall
-    a few steps behind, and the next step it computes in brings it level. Every rank ends with the
+    behind (as many steps as a socket's buffer holds reports), and the next step it computes in
+    brings it level. Every rank ends with the
     same list, the CPU workers' reports empty, except that a CPU worker keeps its own device stats
     (the stages and the other CPU workers do not see them in such a step). Every rank decides
     ``one_way`` alike, from the shares of the optimizer step's batches. (A CPU worker's own entry

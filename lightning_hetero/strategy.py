@@ -310,7 +310,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self.topology.check_world_size(self.world_size)
         name = self.rank_name(self.local_rank)
         gone = self.launcher.ranks_gone if isinstance(self.launcher, HeteroLauncher) else None
-        self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone)
+        # A later trainer call in the same processes (popen, torchrun) keeps the sockets of the first.
+        mesh = self._groups.mesh if self._groups is not None else None
+        self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone, mesh)
         log.debug("hetero: %s joined its process groups", name)
         if self.root_device.type == "cpu":
             self._cuda_rng_back = leave_cuda_rng_alone()

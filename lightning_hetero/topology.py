@@ -298,10 +298,12 @@ class ProcessGroups:
     pipeline's sends and receives). ``sync[s]`` joins stage ``s`` with the CPU workers of its node,
     for gradient sync; it is ``None`` where this rank is not a member. ``replica`` joins this rank
     with the same local rank on every other node (gloo: gradients travel as CPU buffers).
-    ``stage_reports`` joins the stages of a single node with CPU workers and several stages, on
-    gloo, for the steps' results where the CPU workers have no share (``results.ReportExchange``).
-    ``mesh`` joins every rank over Unix sockets where all run on this host (``mesh.LocalMesh``): the
-    steps' results and the strategy's object collectives travel over it.
+    ``stage_reports`` names the stages of a single node with CPU workers and several stages, which
+    share the steps' results among themselves where the CPU workers have no share (over ``mesh``,
+    ``results.ReportExchange``).
+    ``mesh`` joins every rank over Unix sockets in a single-node run (``mesh.LocalMesh``): the steps'
+    results and the strategy's object collectives travel over it. A run over several nodes has none,
+    and sends them over gloo (``control``).
 
     Where the devices hold replicas, ``stage`` joins the node's device replicas (on gloo), which sum
     without the CPU workers when those have no share, and ``sync`` has one group: the node's every
@@ -322,8 +324,12 @@ def world_backend(topology: Topology) -> str:
     return "cpu:gloo,cuda:nccl" if topology.uses_cuda else "gloo"
 
 
-def build_process_groups(topology: Topology, global_rank: int, timeout: timedelta) -> ProcessGroups:
-    """Create every group on every rank (``new_group`` is collective) and keep the ones this rank is in."""
+def build_process_groups(
+    topology: Topology, global_rank: int, timeout: timedelta, mesh: Optional[LocalMesh] = None
+) -> ProcessGroups:
+    """Create every group on every rank (``new_group`` is collective) and keep the ones this rank is in.
+    ``mesh``: the one an earlier trainer call in these processes made, kept (a new one otherwise,
+    on a single node)."""
     stage_backend = "nccl" if topology.uses_cuda else "gloo"
     node = global_rank // topology.procs_per_node
     control = dist.new_group(backend="gloo", timeout=timeout)
@@ -369,7 +375,7 @@ def build_process_groups(topology: Topology, global_rank: int, timeout: timedelt
         sync=sync,
         replica=replica,
         stage_reports=stage_reports,
-        mesh=LocalMesh.connect(control, timeout),
+        mesh=mesh or (LocalMesh.connect(control, timeout) if topology.num_nodes == 1 else None),
     )
 
 
@@ -410,10 +416,11 @@ def connect(
     timeout: timedelta,
     rank_name: str,
     gone: Optional[Callable[[], Optional[str]]] = None,
+    mesh: Optional[LocalMesh] = None,
 ) -> ProcessGroups:
     """Join the run's default process group (in the store of a torchrun restart where there is one,
     ``restart_store``), wait for every rank (``gone``: see ``_all_arrive``) and build every group
-    (collective). ``rank_name``: this process, for errors."""
+    (collective). ``rank_name``: this process, for errors; ``mesh``: an earlier call's, kept."""
     _wait_for_local_ranks(environment.local_rank(), topology.procs_per_node, timeout, gone)
     store = restart_store(timeout)
     try:
@@ -437,7 +444,7 @@ def connect(
     atexit.unregister(_leave)
     atexit.register(_leave)
     _all_arrive(topology.world_size, timeout, gone)
-    return build_process_groups(topology, global_rank, timeout)
+    return build_process_groups(topology, global_rank, timeout, mesh)
 
 
 READY_DIR_ENV = "LIGHTNING_HETERO_READY_DIR"
