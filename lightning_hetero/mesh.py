@@ -113,7 +113,8 @@ class LocalMesh:
                 s.settimeout(timeout.total_seconds())
                 peer = int.from_bytes(_read_exactly(s, 8), "little")
                 pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-                if not rank < peer < size or peer in sockets or pid != found[peer][2]:
+                # (pid 0: a process of another pid namespace, which cannot be told apart)
+                if not rank < peer < size or peer in sockets or pid not in (found[peer][2], 0):
                     s.close()
                     raise ConnectionError(
                         f"[hetero] A process (pid {pid}) that is not global rank {peer} of this run connected to"

@@ -199,3 +199,22 @@ def test_the_strategys_object_collectives_go_over_the_mesh_on_one_host(
         for step in (1, 2):
             seen = pickle.loads((tmp_path / f"{rank}-{step}.pkl").read_bytes())
             assert seen == (hosts == 1, {"step": step, "from": 1}, [0, 10, 20], [0, 1, 2] if rank == 0 else []), (rank, step)
+
+
+def _claims_another_pid(rank: int, world: int, tmp: Path) -> None:
+    store = dist.FileStore(str(tmp / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    if rank == 1:  # it says it is another process than the one that connects
+        os.getpid = lambda: 1  # type: ignore[assignment]  (this child only)
+    try:
+        LocalMesh.connect(None, timedelta(seconds=30))
+        result: Any = None
+    except ConnectionError as error:
+        result = str(error)
+    (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def test_only_the_runs_own_processes_may_connect(tmp_path: Path) -> None:
+    mp.start_processes(_claims_another_pid, args=(2, tmp_path), nprocs=2, start_method="fork")
+    message = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
+    assert message is not None and "that is not global rank 1 of this run connected" in message
