@@ -131,11 +131,13 @@ class LocalMesh:
             s.close()
         self._sockets.clear()
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), by rank (copies, this rank's too)."""
+    def all_gather_object(self, obj: Any, members: Optional[Sequence[int]] = None, kind: int = OBJECTS) -> list[Any]:
+        """Every member's ``obj`` (picklable; ``members``: ranks, this one among them, every rank by
+        default), in the members' order: copies, this rank's too."""
+        members = range(self.size) if members is None else members
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        frames = self.exchange(OBJECTS, data, self._others)
-        return [pickle.loads(data if r == self.rank else frames[r]) for r in range(self.size)]
+        frames = self.exchange(kind, data, [m for m in members if m != self.rank])
+        return self._objects(data, frames, members)
 
     def gather_object(self, obj: Any, dst: int) -> Optional[list[Any]]:
         """Every rank's ``obj``, by rank, on rank ``dst``; ``None`` on the others."""
@@ -143,8 +145,10 @@ class LocalMesh:
         if self.rank != dst:
             self.send(OBJECTS, data, [dst])
             return None
-        frames = self._transfer(OBJECTS, b"", [], self._others)
-        return [pickle.loads(data if r == self.rank else frames[r]) for r in range(self.size)]
+        return self._objects(data, self._transfer(OBJECTS, b"", [], self._others), range(self.size))
+
+    def _objects(self, mine: bytes, frames: dict[int, bytes], members: Iterable[int]) -> list[Any]:
+        return [pickle.loads(mine if m == self.rank else frames[m]) for m in members]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s ``obj`` on every rank (itself on ``src``, a copy elsewhere)."""

@@ -309,17 +309,16 @@ class ReportExchange:
         self._rank = dist.get_rank(group)
         self._mesh = mesh
         self._all: _Gather | _MeshGather
-        self._stages: _Gather | _MeshGather | None
+        self._stages: _MeshGather | None
+        self._stages = None  # (over gloo, unused: every exchange goes both ways)
         if mesh is None:
             self._all = _Gather(group, capacity)
-            self._stages = _Gather(stages, capacity) if stages is not None else None
             cpu_workers = 0
         else:
-            self._all = _MeshGather(mesh, range(dist.get_world_size(group)), self._rank)
-            self._stages = None
+            self._all = _MeshGather(mesh, range(dist.get_world_size(group)))
             if stages is not None:
                 members = [r if group is None else dist.get_group_rank(group, r) for r in dist.get_process_group_ranks(stages)]
-                self._stages = _MeshGather(mesh, members, self._rank)
+                self._stages = _MeshGather(mesh, members)
         self._cpu_workers = cpu_workers
 
     @property
@@ -345,22 +344,17 @@ class ReportExchange:
 
 
 class _MeshGather:
-    """Every member's object (``members``: ranks in the mesh's group), in the members' order, each
-    pickled once and sent to every other member over the mesh."""
+    """Every member's report (``members``: ranks in the mesh's group), in the members' order, over
+    the mesh (``LocalMesh.all_gather_object``)."""
 
-    def __init__(self, mesh: LocalMesh, members: Any, me: int) -> None:
+    def __init__(self, mesh: LocalMesh, members: Any) -> None:
         self.mesh = mesh
         self._members = list(members)
-        self._me = me
-        self._others = [m for m in self._members if m != me]
 
     def __call__(self, obj: Any) -> list[Any]:
-        if not self._others:  # a group of one has nobody to tell
+        if len(self._members) == 1:  # a group of one has nobody to tell
             return [obj]
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        frames = self.mesh.exchange(REPORTS, data, self._others)
-        # Its own too from the bytes: every rank's list holds copies alike.
-        return [pickle.loads(data if m == self._me else frames[m]) for m in self._members]
+        return self.mesh.all_gather_object(obj, self._members, REPORTS)
 
 
 class _Gather:
