@@ -118,3 +118,21 @@ def test_the_cuda_benchmarks_facts_time_the_second_half_and_its_collections(wher
         assert phases["total"] == pytest.approx(1e3 * run["median"], rel=0.5)
     else:
         assert facts["phases_ms"] is None
+
+
+def test_the_schedules_benchmark_runs_two_stages_in_one_process_from_the_forkserver() -> None:
+    """The layout `python -m benchmarks.schedules --device cuda` runs on one GPU, here on the CPU: one
+    process holding both stages of each multi-stage schedule, under the strategy and by hand, each
+    started from the forkserver (as a GPU's must be); every schedule gets its step and its ratio to
+    the loop by hand, and the analyzer plans for that one process."""
+    from benchmarks.schedules import measure
+    from lightning_hetero.pipeline import available_schedules
+
+    results = measure(steps=6, repeats=1, micro_batches=2, width=32, batch_size=16, processes=1, start_method="forkserver")
+    assert set(results) == {"planned", "GPipe", "1F1B", *available_schedules()}
+    for schedule in available_schedules():
+        r = results[schedule]
+        assert 0 < r["hetero"] < 1 and 0 < r["plain"] < 1 and 0 < r["hetero/plain"].median < math.inf
+        assert 0 < r["predicted"] < math.inf
+    assert "plain" not in results["GPipe"] and "plain" not in results["1F1B"]  # one stage: nothing to write by hand
+    assert " x1, " in results["planned"]["plan"] or " x2, " in results["planned"]["plan"]
