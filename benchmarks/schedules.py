@@ -18,7 +18,8 @@ schedules' gains over GPipe and 1F1B are for a machine with a device per stage.
 With ``--device cuda`` (``python -m benchmarks`` adds these rows wherever there is CUDA) the same
 runs on one GPU: one process holds both of a multi-stage schedule's stages on ``cuda:0`` (under the
 strategy, ``stages=["cuda:0"]``; by hand, two ``PipelineStage``s on the GPU in a process of its
-own), and GPipe and 1F1B are the whole model as one stage. There is no bubble to remove on one
+own), and GPipe and 1F1B are the whole model as one stage; the MLP is wider and its batch larger
+(``CUDA_SIZES``). There is no bubble to remove on one
 device: the rows measure what the strategy costs around each schedule against torch's own loop.
 The loop by hand waits for the GPU at the end of each step (as reading its loss would), the
 strategy once in each (its one wait, for the step's results); both processes start from a
@@ -57,6 +58,8 @@ from lightning_hetero.profiling import Profile
 PROCESSES = 2
 WARMUP = 3
 DEFAULTS = dict(steps=30, repeats=5, micro_batches=4, width=512, batch_size=256)
+CUDA_SIZES = dict(width=4096, batch_size=1024)
+"""On a GPU, a model that keeps it busy: at the emulated stages' size a step is the host's Python alone."""
 
 
 def _plain_rank(
@@ -199,7 +202,7 @@ def rows(smoke: bool = False) -> list[Row]:
     sizes = dict(steps=6, repeats=1, width=32, batch_size=16) if smoke else {}
     out = _rows("schedules", measure(**{**DEFAULTS, **sizes}), "2 processes x 2 stages", "< 1 with a device per stage")
     if torch.cuda.is_available():
-        results = measure(**{**DEFAULTS, **sizes}, device="cuda")
+        results = measure(**{**DEFAULTS, **CUDA_SIZES, **sizes}, device="cuda")
         out += _rows("schedules (CUDA)", results, "1 process x 2 stages on cuda:0", "none on one device")
     return out
 
@@ -226,11 +229,16 @@ def _rows(benchmark: str, results: dict[str, dict[str, Any]], layout: str, gain:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, value in DEFAULTS.items():
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+        on_cuda = f" ({CUDA_SIZES[key]} with --device cuda)" if key in CUDA_SIZES else ""
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value}{on_cuda}")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one process on cuda:0")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device, and this machine has none.")
+    sizes = {**DEFAULTS, **(CUDA_SIZES if args.device == "cuda" else {})}
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     results = measure(args.steps, args.repeats, args.micro_batches, args.width, args.batch_size, args.device)
     where = "1 process on cuda:0" if args.device == "cuda" else f"{PROCESSES} emulated stage processes"
     print(f"MLP 6x{args.width}, batch {args.batch_size}, {where}, {args.micro_batches} micro-batches; median step (ms)")
