@@ -10,6 +10,10 @@ processes that computed 3 ms between exchanges on two cores, a pairwise exchange
 socket, where the kernel copies the bytes and wakes the receiver itself. In a step of two emulated
 stages, the exchange went from 2.2 ms to 0.26 ms.
 
+The same sockets sum coarse mode's gradients between the ranks that hold them (``all_reduce_sum``):
+two processes that computed between sums on two cores summed 1 MiB in 0.85 ms this way against
+3.9 ms for gloo's ``all_reduce``, 4 MiB in 3.0 against 5.3 ms, 16 MiB in 10.6 against 15.9 ms.
+
 ``LocalMesh.connect`` joins every pair of a group's processes with a Unix stream socket (in
 Linux's abstract namespace: nothing on disk to clean up), where all of them run on this host; a
 group that spans hosts, or a platform without them, keeps to gloo (``None``). The strategy makes
@@ -35,12 +39,15 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS"]
+__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS", "SUMS"]
 
-REPORTS, POSTS, OBJECTS = 1, 2, 3
-"""The kinds of frames: the steps' reports both ways, those sent one way, any other objects."""
+REPORTS, POSTS, OBJECTS, SUMS = 1, 2, 3, 4
+"""The kinds of frames: the steps' reports both ways, those sent one way, any other objects, and
+the parts of a sum (``all_reduce_sum``)."""
 
 _HEAD = struct.Struct("<IQ")
 """A frame's kind and the length of its bytes."""
@@ -157,6 +164,133 @@ class LocalMesh:
             return obj
         return pickle.loads(self.receive(OBJECTS, src))
 
+    def ranks_of(self, group: Optional[dist.ProcessGroup]) -> Optional[list[int]]:
+        """The mesh's ranks of ``group``'s processes (all of this mesh's where ``None``), in the group's
+        order; ``None`` where one of them is not in the mesh."""
+        if group is None:
+            return list(range(self.size))
+        ranks = dist.get_process_group_ranks(group)
+        if not set(ranks) <= set(self._global):
+            return None
+        return [self._global.index(r) for r in ranks]
+
+    def all_reduce_sum(self, tensor: Tensor, members: Sequence[int]) -> None:
+        """Sum a contiguous CPU ``tensor`` over ``members`` (ranks, this one among them), in place, as
+        gloo's ``all_reduce`` does, and alike on every member to the last bit. The members cut it into
+        as many parts: each member receives its part from every other, sums it in the members' order,
+        and sends the sum back to every other (a reduce-scatter, then an all-gather: each sends and
+        receives ``(n - 1) / n`` of the tensor twice). The bytes go straight between the sockets and
+        the tensor's memory."""
+        assert tensor.device.type == "cpu" and tensor.is_contiguous(), "a contiguous CPU tensor"
+        flat = tensor.view(-1)
+        members = list(members)
+        count = len(members)
+        if count < 2:
+            return
+        me = members.index(self.rank)
+        cuts = [flat.numel() * i // count for i in range(count + 1)]
+        part = [flat[cuts[i] : cuts[i + 1]] for i in range(count)]
+        peers = [m for m in members if m != self.rank]
+        received = {m: torch.empty_like(part[me]) for m in peers}
+        self._swap(
+            {m: _bytes_of(part[members.index(m)]) for m in peers},
+            {m: _bytes_of(received[m]) for m in peers},
+        )
+        mine = part[me]
+        ordered = [mine if m == self.rank else received[m] for m in members]
+        total = ordered[0]
+        for term in ordered[1:]:
+            total.add_(term)
+        if total is not mine:
+            mine.copy_(total)
+        self._swap({m: _bytes_of(mine) for m in peers}, {m: _bytes_of(part[members.index(m)]) for m in peers})
+
+    def _swap(self, sends: dict[int, memoryview], receives: dict[int, memoryview]) -> None:
+        """Send a frame of kind ``SUMS`` to each peer of ``sends`` and read one from each of
+        ``receives`` straight into its buffer (of the frame's length exactly), both at once."""
+        pending = {peer: [memoryview(_HEAD.pack(SUMS, len(data))), data] for peer, data in sends.items()}
+        filled = dict.fromkeys(receives, -1)  # -1: its frame's head is still to come
+        deadline = time.monotonic() + self._timeout
+        while True:
+            for peer in list(pending):
+                pieces = pending[peer]
+                while pieces:
+                    sent = self._send_some(peer, pieces[0])
+                    if sent < len(pieces[0]):
+                        pieces[0] = pieces[0][sent:]
+                        break
+                    pieces.pop(0)
+                if not pieces:
+                    del pending[peer]
+            for peer in list(filled):
+                if self._fill(peer, receives[peer], filled):
+                    del filled[peer]
+            if not pending and not filled:
+                return
+            poller = select.poll()  # only for what is still due: a peer done here may already send what comes next
+            for peer in set(pending) | set(filled):
+                mask = (select.POLLIN if peer in filled else 0) | (select.POLLOUT if peer in pending else 0)
+                poller.register(self._sockets[peer], mask)
+            left = deadline - time.monotonic()
+            events = poller.poll(max(0, int(left * 1000)) + 1) if left > 0 else []
+            if not events:
+                waiting = sorted(set(pending) | set(filled))
+                raise TimeoutError(
+                    f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a sum of gradients with global"
+                    f" rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither answered nor ended: a"
+                    " process that hangs, or one far behind the others."
+                )
+            for fd, event in events:
+                peer = self._peer_of[fd]
+                if event & select.POLLNVAL:
+                    raise self._gone(peer)
+                if event & (select.POLLHUP | select.POLLERR) and not event & select.POLLIN and (peer in pending or peer in filled):
+                    raise self._gone(peer)
+
+    def _fill(self, peer: int, into: memoryview, filled: dict[int, int]) -> bool:
+        """Read what ``peer`` has sent of its next frame (of kind ``SUMS``, as long as ``into``)
+        into ``into``: first what its inbox holds, then straight from the socket. True once whole."""
+        inbox = self._inbox[peer]
+        if filled[peer] < 0:
+            while len(inbox) < _HEAD.size:
+                if not self._read_some(peer, _HEAD.size - len(inbox)):
+                    return False
+            kind, length = _HEAD.unpack_from(inbox)
+            if kind != SUMS or length != len(into):
+                raise RuntimeError(
+                    f"[hetero] Global rank {self._global[peer]} sent a message of kind {kind} and {length} bytes where a"
+                    f" part of a sum of {len(into)} bytes was due: the ranks' steps are out of step (a bug: please"
+                    " report it, with the run's layout)."
+                )
+            taken = min(length, len(inbox) - _HEAD.size)
+            into[:taken] = inbox[_HEAD.size : _HEAD.size + taken]
+            del inbox[: _HEAD.size + taken]
+            filled[peer] = taken
+        while filled[peer] < len(into):
+            try:
+                got = self._sockets[peer].recv_into(into[filled[peer] :])
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                got = 0
+            if got == 0:
+                raise self._gone(peer)
+            filled[peer] += got
+        return True
+
+    def _read_some(self, peer: int, wanted: int) -> bool:
+        """Up to ``wanted`` more bytes from ``peer`` into its inbox; False where none are there yet."""
+        try:
+            chunk = self._sockets[peer].recv(wanted)
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            raise self._gone(peer)
+        self._inbox[peer] += chunk
+        return True
+
     def exchange(self, kind: int, data: bytes, peers: Iterable[int]) -> dict[int, bytes]:
         """Send ``data`` to every one of ``peers`` and receive a frame of ``kind`` from each."""
         peers = list(peers)
@@ -259,6 +393,11 @@ class LocalMesh:
             f"[hetero] Connection closed by peer: global rank {self._global[peer]} closed its connection to this"
             " process; it ended, or failed (its own error says why)."
         )
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, shared with it."""
+    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
 def _host() -> str:

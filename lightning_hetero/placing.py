@@ -101,7 +101,7 @@ def build_sync(
     worker = engine.worker
     return worker.build_sync(
         plan.mode,
-        norm=GlobalNorm(worker.norm_slot, worker.placement.num_processes, topology.num_nodes, groups.control),
+        norm=GlobalNorm(worker.norm_slot, worker.placement.num_processes, topology.num_nodes, groups.control, groups.mesh),
         replica_group=groups.replica,
         optimizer=optimizer,
         bucket_bytes=int(plan.bucket_size_mb * 2**20),
@@ -109,6 +109,7 @@ def build_sync(
         control=groups.control,
         skip_nonfinite=skip,
         sharding=worker.sharding,
+        mesh=groups.mesh,
     )
 
 

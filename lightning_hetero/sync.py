@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.finite import finite_flag
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 from lightning_hetero.record import StepClock, span
 from lightning_hetero.sharding import ShardedOptimizer, ShardedStep
@@ -117,9 +118,14 @@ class _FlatBucket:
     a buffer of the same size. CUDA gradients travel through a pinned buffer on a side stream.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool = False) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, average: bool = False, mesh: Optional[LocalMesh] = None
+    ) -> None:
         self.params = list(params)
         self.group = group
+        self.mesh = mesh
+        self.members = mesh.ranks_of(group) if mesh is not None else None
+        """The group's ranks in ``mesh``, where it sums over the mesh's sockets (``None``: over gloo)."""
         self.divisor = dist.get_world_size(group) if average else 1
         self.sizes = [p.numel() for p in params]
         cuda = [p.device for p in params if p.device.type == "cuda"]
@@ -251,10 +257,15 @@ class GlobalNorm:
     num_stages: int
     num_nodes: int
     group: dist.ProcessGroup
+    mesh: Optional[LocalMesh] = None
+    """The run's sockets between the processes of one host, which then carry the sum (used by the
+    thread that runs the steps only, as every use of the mesh)."""
 
     def __call__(self, grads: Sequence[Tensor], finite: bool = True) -> Tensor:
         own = grads if self.slot is not None else None
-        return global_grad_norm(own, self.slot or 0, self.num_stages, self.num_nodes, group=self.group, finite=finite)
+        return global_grad_norm(
+            own, self.slot or 0, self.num_stages, self.num_nodes, group=self.group, finite=finite, mesh=self.mesh
+        )
 
 
 @dataclass(frozen=True)
@@ -306,9 +317,9 @@ class OwnerSums:
             flat.unpack(self.step.gradient_destination)
 
 
-def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucket]:
+def _flat_buckets(buckets: Sequence[SumOver], detached: bool, mesh: Optional[LocalMesh] = None) -> list[_FlatBucket]:
     return [
-        _FlatBucket(b.params, group)
+        _FlatBucket(b.params, group, mesh=mesh)
         for b in buckets
         if (group := b.without_cpu if detached else b.group) is not None and b.params
     ]
@@ -317,7 +328,9 @@ def _flat_buckets(buckets: Sequence[SumOver], detached: bool) -> list[_FlatBucke
 class CoarseSync(GradSync):
     """Coarse mode: after the backward, sum each bucket's gradients over its group (``SumOver``),
     then average over nodes; clip with the global norm. ``shards``: on a CPU worker whose optimizer
-    is split with the other CPU workers', its part (``sharding.ShardedOptimizer``)."""
+    is split with the other CPU workers', its part (``sharding.ShardedOptimizer``). ``mesh``: the
+    run's sockets between the processes of one host, which then carry the sums (``LocalMesh.all_reduce_sum``)
+    in place of gloo."""
 
     def __init__(
         self,
@@ -325,10 +338,11 @@ class CoarseSync(GradSync):
         replica_group: dist.ProcessGroup | None,
         norm: Callable[[Sequence[Tensor]], Tensor],
         shards: Optional[ShardedOptimizer] = None,
+        mesh: Optional[LocalMesh] = None,
     ) -> None:
         self._shards = shards
-        self._buckets = _flat_buckets(buckets, detached=False)
-        self._detached_buckets = _flat_buckets(buckets, detached=True)
+        self._buckets = _flat_buckets(buckets, detached=False, mesh=mesh)
+        self._detached_buckets = _flat_buckets(buckets, detached=True, mesh=mesh)
         params = [p for b in buckets for p in b.params]
         self._nodes = _FlatBucket(params, replica_group, average=True) if replica_group and params else None
         self._norm = norm
@@ -497,7 +511,12 @@ class FineSync(GradSync):
 
 
 def _all_reduce(buckets: Sequence[_FlatBucket]) -> None:
-    works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in buckets]
+    """Sum every bucket over its group: over the mesh's sockets one after another, in the same order
+    on every rank, or over gloo all at once."""
+    works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in buckets if b.members is None]
+    for b in buckets:
+        if b.mesh is not None and b.members is not None:
+            b.mesh.all_reduce_sum(b.pack(), b.members)
     for work in works:
         work.wait()
     for bucket in buckets:
@@ -511,6 +530,7 @@ def global_grad_norm(
     num_nodes: int = 1,
     group: dist.ProcessGroup | None = None,
     finite: bool = True,
+    mesh: Optional[LocalMesh] = None,
 ) -> Tensor:
     """The 2-norm of all gradients of the model, identical on every rank.
 
@@ -525,7 +545,11 @@ def global_grad_norm(
         partials[stage_index] = torch.nn.utils.get_total_norm(stage_grads, 2.0).double().cpu() ** 2
     if not finite:
         partials.fill_(math.nan)
-    dist.all_reduce(partials, group=group)
+    members = mesh.ranks_of(group) if mesh is not None else None
+    if mesh is not None and members is not None:
+        mesh.all_reduce_sum(partials, members)  # one non-zero term a slot: the same sum as gloo's
+    else:
+        dist.all_reduce(partials, group=group)
     return (partials / num_nodes).sum().sqrt()
 
 

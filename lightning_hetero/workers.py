@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_hetero.batchnorm import ReplicaNorm
 from lightning_hetero.batchnorm import revert as revert_batch_norm
+from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.module import pipeline_inputs_only, pipeline_pair
 from lightning_hetero.multimodal import EncoderExchange, in_backward
 from lightning_hetero.offload import BucketStep, DeviceStep, OffloadStep, choose_offloaded
@@ -299,18 +300,20 @@ class Worker:
         control: dist.ProcessGroup,
         skip_nonfinite: bool,
         sharding: Optional[Sharding] = None,
+        mesh: Optional[LocalMesh] = None,
     ) -> GradSync:
         """The mode's gradient sync for what this rank sums (``sync_buckets``) or steps (``owns``);
         which fine-mode buckets are offloaded is decided alike on every rank (``choose_offloaded``,
         a collective over ``control``). With ``sharding`` (several CPU workers), the CPU workers split
         their optimizer state and step (``sharding.py``): in coarse mode their replicas' (they keep out
         of a step they have no share of, as ever); in fine mode the offloaded buckets' (tied parameters'
-        buckets excepted), and then they take part in every step."""
+        buckets excepted), and then they take part in every step. ``mesh``: where every rank runs on this host, coarse mode's
+        sums go over its sockets."""
         if mode == "coarse":
             shards = None
             if sharding is not None and sharding.me is not None:
                 shards = ShardedOptimizer(list(self.module.parameters()), sharding)
-            return CoarseSync(self.sync_buckets(), replica_group, norm, shards)
+            return CoarseSync(self.sync_buckets(), replica_group, norm, shards, mesh)
         place = self.placement
         buckets, params = zip(*place.buckets(bucket_bytes))
         own = [b for b in buckets if self.owns(b)]

@@ -12,12 +12,13 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hetero.mesh import LocalMesh
 
-from tests.conftest import hetero, trainer
+from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
 
 
@@ -218,3 +219,94 @@ def test_only_the_runs_own_processes_may_connect(tmp_path: Path) -> None:
     mp.start_processes(_claims_another_pid, args=(2, tmp_path), nprocs=2, start_method="fork")
     message = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
     assert message is not None and "that is not global rank 1 of this run connected" in message
+
+
+def _sums(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    """Sums of several sizes and dtypes over every rank and over ranks 0 and 2 alone, with frames of
+    other kinds before and after them on the same sockets; each rank's part made from its rank."""
+    results = []
+    for numel, dtype in [(0, torch.float32), (1, torch.float64), (2, torch.float32), (1000, torch.float64), (3_000_001, torch.float32)]:
+        tensor = torch.arange(numel, dtype=dtype) * (rank + 1) + 0.1 * rank
+        mesh.all_reduce_sum(tensor, range(3))
+        results.append(tensor)
+    if rank != 1:  # rank 1 sends a report to both meanwhile, read after the sum
+        part = torch.full((5,), float(rank + 1), dtype=torch.float64)
+        mesh.all_reduce_sum(part, [0, 2])
+        results.append(part)
+        results.append(mesh.receive(1, 1))
+    else:
+        mesh.send(1, b"meanwhile", [0, 2])
+    results.append(mesh.exchange(1, f"after {rank}".encode(), [r for r in range(3) if r != rank]))
+    return results
+
+
+def test_a_sum_over_the_mesh_is_torchs_sum_alike_on_every_rank_and_keeps_the_stream_in_order(tmp_path: Path) -> None:
+    """Parts bigger than a socket's buffer (12 MB) cross at once; an empty tensor and one shorter than
+    the members are summed too; a subset of the ranks sums while another sends them something else."""
+    results = _run(tmp_path, 3, _sums)
+    assert not any(isinstance(r, Exception) for r in results), results
+    sizes = [(0, torch.float32), (1, torch.float64), (2, torch.float32), (1000, torch.float64), (3_000_001, torch.float32)]
+    for i, (numel, dtype) in enumerate(sizes):
+        expected = sum(torch.arange(numel, dtype=dtype) * (r + 1) + 0.1 * r for r in range(3))
+        for r in range(3):
+            assert results[r][i].dtype == dtype
+            torch.testing.assert_close(results[r][i], expected, rtol=1e-6, atol=1e-6)
+            assert torch.equal(results[r][i], results[0][i])  # to the last bit, on every rank
+    assert torch.equal(results[0][5], torch.full((5,), 4.0, dtype=torch.float64)) and torch.equal(results[2][5], results[0][5])
+    assert results[0][6] == results[2][6] == b"meanwhile"
+    assert results[1][5] == {0: b"after 0", 2: b"after 2"} and results[0][7] == {1: b"after 1", 2: b"after 2"}
+
+
+def _sum_to_one_that_ends(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        os._exit(0)
+    try:
+        mesh.all_reduce_sum(torch.ones(1 << 20), [0, 1])
+    except ConnectionError as error:
+        return str(error)
+
+
+def test_a_sum_with_a_peer_that_ends_fails_at_once_with_its_name(tmp_path: Path) -> None:
+    message = _run(tmp_path, 2, _sum_to_one_that_ends)[0]
+    assert message is not None and "Connection closed by peer: global rank 1" in message
+
+
+def _sum_against_a_report(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        return mesh.exchange(1, b"a report", [0])
+    try:
+        mesh.all_reduce_sum(torch.ones(4), [0, 1])
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_sum_where_the_peer_sends_something_else_is_an_error(tmp_path: Path) -> None:
+    message = _run(tmp_path, 2, _sum_against_a_report, timeout=2.0)[0]
+    assert message is not None and "where a part of a sum of 8 bytes was due" in message
+
+
+def _all_reduce_of_one_value_only(real: Callable) -> Callable:
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.numel() > 1:  # a bucket of gradients, or the stages' squared norms (one value is Lightning's)
+            raise AssertionError("a sum of gradients over gloo")
+        return real(tensor, *args, **kwargs)
+
+    return all_reduce
+
+
+def test_coarse_modes_gradient_sums_go_over_the_mesh_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a CPU worker and two stages on one host, coarse mode sums the gradients, and the stages'
+    squared norms for clipping, over the mesh (gloo's ``all_reduce`` is refused for them), and trains
+    the model it trains over gloo on "hosts of their own", to the last bit: each sum of gradients is
+    of two ranks' parts, and each norm's of one part and zeros."""
+    over_gloo = Net()
+    with monkeypatch.context() as patch:
+        patch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank()}")
+        fit = trainer(hetero(cpu_workers=1, cpu_fraction=0.5, mode="coarse"), max_steps=4, gradient_clip_val=0.05)
+        fit.fit(over_gloo, regression_data())
+    over_mesh = Net()
+    monkeypatch.setattr(dist, "all_reduce", _all_reduce_of_one_value_only(dist.all_reduce))
+    fit = trainer(hetero(cpu_workers=1, cpu_fraction=0.5, mode="coarse"), max_steps=4, gradient_clip_val=0.05)
+    fit.fit(over_mesh, regression_data())
+    assert max_param_diff(over_mesh, over_gloo) == 0.0
+    assert max_param_diff(over_mesh, Net()) > 0  # it trained
