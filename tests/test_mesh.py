@@ -310,3 +310,18 @@ def test_coarse_modes_gradient_sums_go_over_the_mesh_on_one_host(monkeypatch: py
     fit.fit(over_mesh, regression_data())
     assert max_param_diff(over_mesh, over_gloo) == 0.0
     assert max_param_diff(over_mesh, Net()) > 0  # it trained
+
+
+def test_the_analyzer_times_the_gradient_sums_over_the_mesh_where_the_run_sums_over_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link the planner weighs coarse mode's sums by is the one they take: on one host, the mesh
+    (gloo's ``all_reduce`` of more than one value refused)."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+    from lightning_hetero.profiling import Profile
+
+    monkeypatch.setattr(dist, "all_reduce", _all_reduce_of_one_value_only(dist.all_reduce))
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=3, measure_steps=1, save_dir=str(tmp_path))
+    trainer(hetero(cpu_workers=1, mode="coarse"), max_steps=6, callbacks=[analyzer]).fit(Net(), regression_data())
+    sync = Profile.load(tmp_path / "profile.json").links["sync"]
+    assert sync.bytes_per_s > 0 and sync.latency >= 0

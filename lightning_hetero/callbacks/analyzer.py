@@ -388,7 +388,7 @@ class WorkloadAnalyzer(L.Callback):
         sizes = (1 << 14, max(1 << 16, min(1 << 24, model_bytes // 4 // max(1, len(groups.sync)))))
         for group in groups.sync:
             if group is not None:
-                link = time_link(gradient_sum_over(group), cpu, sizes, repeats=self.repeats)
+                link = time_link(gradient_sum_over(group, groups.mesh), cpu, sizes, repeats=self.repeats)
                 if not strategy.role.is_cpu_worker:
                     links["sync"] = link
         if groups.stage is not None and strategy.role.is_stage and len(strategy.topology.stage_devices) > 1:
