@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hetero.mesh import LocalMesh
+from lightning_hetero.mesh import SHARED_FROM, LocalMesh
 
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
@@ -229,14 +229,18 @@ def _sums(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
         tensor = torch.arange(numel, dtype=dtype) * (rank + 1) + 0.1 * rank
         mesh.all_reduce_sum(tensor, range(3))
         results.append(tensor)
-    if rank != 1:  # rank 1 sends a report to both meanwhile, read after the sum
+    if rank != 1:  # rank 1 sends a report to both meanwhile, read after the sums
         part = torch.full((5,), float(rank + 1), dtype=torch.float64)
         mesh.all_reduce_sum(part, [0, 2])
+        big = torch.full((SHARED_FROM,), float(rank + 1))  # in shared memory, as the 12 MB above
+        mesh.all_reduce_sum(big, [0, 2])
         results.append(part)
         results.append(mesh.receive(1, 1))
+        results[-2] = (part, bool(torch.all(big == 4.0)))
     else:
         mesh.send(1, b"meanwhile", [0, 2])
     results.append(mesh.exchange(1, f"after {rank}".encode(), [r for r in range(3) if r != rank]))
+    results.append(sorted(nbytes for (_, nbytes), shared in mesh._shared.items() if shared is not None))
     return results
 
 
@@ -252,9 +256,30 @@ def test_a_sum_over_the_mesh_is_torchs_sum_alike_on_every_rank_and_keeps_the_str
             assert results[r][i].dtype == dtype
             torch.testing.assert_close(results[r][i], expected, rtol=1e-6, atol=1e-6)
             assert torch.equal(results[r][i], results[0][i])  # to the last bit, on every rank
-    assert torch.equal(results[0][5], torch.full((5,), 4.0, dtype=torch.float64)) and torch.equal(results[2][5], results[0][5])
+    assert torch.equal(results[0][5][0], torch.full((5,), 4.0, dtype=torch.float64)) and torch.equal(results[2][5][0], results[0][5][0])
+    assert results[0][5][1] and results[2][5][1]
     assert results[0][6] == results[2][6] == b"meanwhile"
     assert results[1][5] == {0: b"after 0", 2: b"after 2"} and results[0][7] == {1: b"after 1", 2: b"after 2"}
+    # The sums of SHARED_FROM bytes or more went through shared memory; the others through the sockets.
+    assert results[1][6] == [12_000_004] and results[0][8] == results[2][8] == [4 * SHARED_FROM, 12_000_004]
+
+
+def _sums_without_shared_memory(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    import lightning_hetero.mesh as m
+
+    if rank == 1:  # this one cannot map the others' memory: none of them sums in it
+        def refuse(*args: Any) -> Any:
+            raise OSError("no access to /proc")
+
+        m._map_peer = refuse  # type: ignore[assignment]  (this child only)
+    tensor = torch.arange(SHARED_FROM, dtype=torch.float32) * (rank + 1)
+    mesh.all_reduce_sum(tensor, range(3))
+    mesh.all_reduce_sum(tensor, range(3))  # and not at a second sum of the size either
+    return torch.equal(tensor, torch.arange(SHARED_FROM, dtype=torch.float32) * 18), list(mesh._shared.values())
+
+
+def test_where_one_member_cannot_share_memory_every_member_sums_over_the_sockets(tmp_path: Path) -> None:
+    assert _run(tmp_path, 3, _sums_without_shared_memory) == [(True, [None])] * 3
 
 
 def _sum_to_one_that_ends(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
@@ -266,8 +291,20 @@ def _sum_to_one_that_ends(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
         return str(error)
 
 
-def test_a_sum_with_a_peer_that_ends_fails_at_once_with_its_name(tmp_path: Path) -> None:
-    message = _run(tmp_path, 2, _sum_to_one_that_ends)[0]
+def _shared_sum_with_one_that_ends(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    tensor = torch.ones(SHARED_FROM)
+    mesh.all_reduce_sum(tensor, [0, 1])  # the segments are made and mapped
+    if rank == 1:
+        os._exit(0)
+    try:
+        mesh.all_reduce_sum(tensor, [0, 1])
+    except ConnectionError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("body", [_sum_to_one_that_ends, _shared_sum_with_one_that_ends], ids=["sockets", "shared memory"])
+def test_a_sum_with_a_peer_that_ends_fails_at_once_with_its_name(tmp_path: Path, body: Callable) -> None:
+    message = _run(tmp_path, 2, body)[0]
     assert message is not None and "Connection closed by peer: global rank 1" in message
 
 
@@ -294,11 +331,14 @@ def _all_reduce_of_one_value_only(real: Callable) -> Callable:
     return all_reduce
 
 
-def test_coarse_modes_gradient_sums_go_over_the_mesh_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shared_from", [SHARED_FROM, 1], ids=["sockets", "shared memory"])
+def test_coarse_modes_gradient_sums_go_over_the_mesh_on_one_host(monkeypatch: pytest.MonkeyPatch, shared_from: int) -> None:
     """With a CPU worker and two stages on one host, coarse mode sums the gradients, and the stages'
     squared norms for clipping, over the mesh (gloo's ``all_reduce`` is refused for them), and trains
     the model it trains over gloo on "hosts of their own", to the last bit: each sum of gradients is
-    of two ranks' parts, and each norm's of one part and zeros."""
+    of two ranks' parts, and each norm's of one part and zeros. The model's sums are small: a
+    threshold of one byte sends every one of them through shared memory."""
+    monkeypatch.setattr("lightning_hetero.mesh.SHARED_FROM", shared_from)
     over_gloo = Net()
     with monkeypatch.context() as patch:
         patch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank()}")
