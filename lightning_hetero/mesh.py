@@ -30,7 +30,6 @@ after the group's timeout, as a gloo collective would.
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 import secrets
@@ -80,7 +79,7 @@ class LocalMesh:
         self._global = list(global_ranks)
         self._timeout = timeout.total_seconds()
         self._inbox = {peer: bytearray() for peer in sockets}
-        self._shared: dict[tuple[tuple[int, ...], int], Optional[_Shared]] = {}
+        self._shared: dict[tuple[int, ...], Optional[_Shared]] = {}
         self._peer_of = {s.fileno(): peer for peer, s in sockets.items()}
         for s in sockets.values():
             s.setblocking(False)
@@ -233,59 +232,76 @@ class LocalMesh:
         its segment; once all have, each copies the others' sums from their segments; once all have,
         the segments may be written again."""
         peers = [m for m in members if m != self.rank]
-        segment = {m: shared.segments[m][: flat.numel() * flat.element_size()].view(flat.dtype) for m in members}
+        nbytes = flat.numel() * flat.element_size()
+        segment = {m: shared.segments[m][:nbytes].view(flat.dtype) for m in members}
         segment[self.rank].copy_(flat)
-        self.exchange(SUMS, b"", peers)
+        self._round(peers, nbytes)
         me = members.index(self.rank)
-        start = part[me].data_ptr() - flat.data_ptr()
-        bounds = slice(start // flat.element_size(), start // flat.element_size() + part[me].numel())
-        terms = [segment[m][bounds] for m in members]
+        start = sum(p.numel() for p in part[:me])
         mine = part[me]
+        terms = [segment[m][start : start + mine.numel()] for m in members]
         torch.add(terms[0], terms[1], out=mine)
         for term in terms[2:]:
             mine.add_(term)
-        segment[self.rank][bounds].copy_(mine)
-        self.exchange(SUMS, b"", peers)
+        segment[self.rank][start : start + mine.numel()].copy_(mine)
+        self._round(peers, nbytes)
         offset = 0
         for m, p in zip(members, part):
             if m != self.rank:
                 p.copy_(segment[m][offset : offset + p.numel()])
             offset += p.numel()
-        self.exchange(SUMS, b"", peers)
+        self._round(peers, nbytes)
+
+    def _round(self, peers: list[int], nbytes: int) -> None:
+        """A frame to and from every peer of a sum in shared memory, naming its size."""
+        mark = nbytes.to_bytes(8, "little")
+        for peer, got in self.exchange(SUMS, mark, peers).items():
+            if got != mark:
+                raise RuntimeError(
+                    f"[hetero] Global rank {self._global[peer]} is in another sum than this process (of"
+                    f" {int.from_bytes(got[:8], 'little')} bytes, not {nbytes}): the ranks' steps are out of step (a"
+                    " bug: please report it, with the run's layout)."
+                )
 
     def _shared_for(self, members: list[int], nbytes: int) -> Optional["_Shared"]:
-        """The members' segments for sums of ``nbytes`` (made at the first such sum, a collective of
-        the members); ``None`` on every member where one cannot share memory with the others (no
-        ``memfd``, or no access to the others' ``/proc``: then the sockets carry the parts)."""
-        key = (tuple(members), nbytes)
+        """The members' segments, of ``nbytes`` at least: one per member and set of members, made at
+        the first sum over them and made anew, larger, at the first sum that outgrows them (each a
+        collective of the members, who all make the same sums); ``None`` on every member where one
+        cannot share memory with the others (no ``memfd``, or no access to the others' ``/proc``: then
+        the sockets carry the parts, for good)."""
+        key = tuple(members)
         if key in self._shared:
-            return self._shared[key]
+            shared = self._shared[key]
+            if shared is None or shared.nbytes >= nbytes:
+                return shared
+            shared.close()  # after the last sum's last round: nobody reads them any more
         peers = [m for m in members if m != self.rank]
         mine: Optional[_Segment] = None
+        peers_segments: dict[int, Tensor] = {}
         try:
-            mine = _Segment(nbytes)
-            offer: Optional[tuple[int, int, bytes]] = (os.getpid(), mine.fd, mine.token)
-        except (OSError, AttributeError):  # AttributeError: a platform without os.memfd_create
-            offer = None
-        offers = {m: pickle.loads(f) for m, f in self.exchange(SUMS, pickle.dumps(offer), peers).items()}
-        mapped: dict[int, mmap.mmap] = {}
-        ok = offer is not None and all(o is not None for o in offers.values())
-        if ok:
             try:
-                for m in peers:
-                    mapped[m] = _map_peer(*offers[m], nbytes)
-            except OSError:
-                ok = False
-        agreed = self.exchange(SUMS, b"1" if ok else b"0", peers)
+                mine = _Segment(nbytes)
+                offer: Optional[tuple[int, int, bytes]] = (os.getpid(), mine.fd, mine.token)
+            except (OSError, AttributeError):  # AttributeError: a platform without os.memfd_create
+                offer = None
+            offers = {m: pickle.loads(f) for m, f in self.exchange(SUMS, pickle.dumps(offer), peers).items()}
+            ok = offer is not None and all(o is not None for o in offers.values())
+            if ok:
+                try:
+                    peers_segments = {m: _map_peer(*offers[m], nbytes) for m in peers}
+                except OSError:
+                    ok = False
+            agreed = self.exchange(SUMS, b"1" if ok else b"0", peers)
+        except BaseException:
+            if mine is not None:
+                mine.close()
+            raise
         shared: Optional[_Shared] = None
         if ok and all(v == b"1" for v in agreed.values()):
             assert mine is not None
-            shared = _Shared(mine, mapped, self.rank)
-        else:
-            for m in mapped.values():
-                m.close()
-            if mine is not None:
-                mine.close()
+            shared = _Shared(mine, peers_segments, self.rank, nbytes)
+        elif mine is not None:
+            mine.close()
         self._shared[key] = shared
         return shared
 
@@ -480,61 +496,57 @@ class LocalMesh:
 
 
 class _Segment:
-    """This member's memory for the sums of one size over one set of members: a ``memfd`` that the
-    others map through ``/proc``, named by a random token at its end."""
+    """This member's memory for sums over one set of members: a ``memfd`` that the others map
+    through ``/proc``, named by a random token at its end. Its mappings (torch's, of the file) last
+    as long as a tensor views them."""
 
     def __init__(self, nbytes: int) -> None:
         self.fd = os.memfd_create("lightning-hetero-sums", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, nbytes + _TOKEN)
-            self.map = mmap.mmap(self.fd, nbytes + _TOKEN)
+            self.bytes = _mapped(f"/proc/self/fd/{self.fd}", nbytes + _TOKEN)
         except OSError:
             os.close(self.fd)
             raise
         self.token = secrets.token_bytes(_TOKEN)
-        self.map[nbytes:] = self.token
+        self.bytes[nbytes:] = torch.frombuffer(bytearray(self.token), dtype=torch.uint8)
 
     def close(self) -> None:
-        _close_map(self.map)
         os.close(self.fd)
+        self.bytes = torch.empty(0, dtype=torch.uint8)
 
 
-def _map_peer(pid: int, fd: int, token: bytes, nbytes: int) -> mmap.mmap:
+def _mapped(path: str, nbytes: int) -> Tensor:
+    """The file at ``path`` mapped shared, as bytes; an ``OSError`` where it cannot be."""
+    try:
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as error:
+        raise OSError(str(error)) from error
+
+
+def _map_peer(pid: int, fd: int, token: bytes, nbytes: int) -> Tensor:
     """A peer's segment, mapped here; an ``OSError`` where it cannot be, or where what ``/proc`` gives
     is not that segment (a process of another pid namespace)."""
-    opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-    try:
-        if os.fstat(opened).st_size != nbytes + _TOKEN:
-            raise OSError("not the peer's segment")
-        mapped = mmap.mmap(opened, nbytes + _TOKEN)
-    finally:
-        os.close(opened)
-    if mapped[nbytes:] != token:
-        mapped.close()
+    path = f"/proc/{pid}/fd/{fd}"
+    if os.stat(path).st_size != nbytes + _TOKEN:
+        raise OSError("not the peer's segment")
+    mapped = _mapped(path, nbytes + _TOKEN)
+    if mapped[nbytes:].numpy().tobytes() != token:
         raise OSError("not the peer's segment")
     return mapped
 
 
 class _Shared:
-    """Every member's segment for sums of one size, as bytes (tensors on the mappings)."""
+    """Every member's segment of ``nbytes`` (and a token), as bytes."""
 
-    def __init__(self, mine: _Segment, peers: dict[int, mmap.mmap], rank: int) -> None:
-        self._mine, self._peers = mine, peers
-        self.segments = {rank: torch.frombuffer(mine.map, dtype=torch.uint8)}
-        self.segments.update({m: torch.frombuffer(mapped, dtype=torch.uint8) for m, mapped in peers.items()})
+    def __init__(self, mine: _Segment, peers: dict[int, Tensor], rank: int, nbytes: int) -> None:
+        self._mine, self.nbytes = mine, nbytes
+        self.segments = {rank: mine.bytes, **peers}
 
     def close(self) -> None:
-        self.segments.clear()  # the tensors first: a mapping cannot close while they view it
-        for mapped in self._peers.values():
-            _close_map(mapped)
+        """This process's hold on them: each mapping goes with the last tensor that views it."""
+        self.segments.clear()
         self._mine.close()
-
-
-def _close_map(mapped: mmap.mmap) -> None:
-    try:
-        mapped.close()
-    except BufferError:  # a view of it is still alive somewhere: the mapping goes with it
-        pass
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

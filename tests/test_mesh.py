@@ -240,7 +240,7 @@ def _sums(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
     else:
         mesh.send(1, b"meanwhile", [0, 2])
     results.append(mesh.exchange(1, f"after {rank}".encode(), [r for r in range(3) if r != rank]))
-    results.append(sorted(nbytes for (_, nbytes), shared in mesh._shared.items() if shared is not None))
+    results.append(sorted(shared.nbytes for shared in mesh._shared.values() if shared is not None))
     return results
 
 
@@ -276,6 +276,23 @@ def _sums_without_shared_memory(rank: int, mesh: LocalMesh, store: dist.Store) -
     mesh.all_reduce_sum(tensor, range(3))
     mesh.all_reduce_sum(tensor, range(3))  # and not at a second sum of the size either
     return torch.equal(tensor, torch.arange(SHARED_FROM, dtype=torch.float32) * 18), list(mesh._shared.values())
+
+
+def _sums_of_growing_sizes(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    found = []
+    for numel in (SHARED_FROM // 4, SHARED_FROM // 2, SHARED_FROM // 4, SHARED_FROM):
+        tensor = torch.full((numel,), float(rank + 1))
+        mesh.all_reduce_sum(tensor, [0, 1])
+        found.append((bool(torch.all(tensor == 3.0)), [shared.nbytes for shared in mesh._shared.values() if shared is not None]))
+    kept = mesh._shared[(0, 1)].segments[rank][:16].view(torch.float32)  # type: ignore[union-attr]
+    mesh.close()
+    return found, kept.tolist()  # a view that outlives the mesh still reads its memory
+
+
+def test_the_members_share_one_segment_each_made_anew_only_when_a_sum_outgrows_it(tmp_path: Path) -> None:
+    found, kept = _run(tmp_path, 2, _sums_of_growing_sizes)[0]
+    assert found == [(True, [SHARED_FROM]), (True, [2 * SHARED_FROM]), (True, [2 * SHARED_FROM]), (True, [4 * SHARED_FROM])]
+    assert kept == [3.0] * 4  # rank 0 sums the first part, in its own segment
 
 
 def test_where_one_member_cannot_share_memory_every_member_sums_over_the_sockets(tmp_path: Path) -> None:
