@@ -194,8 +194,9 @@ class LocalMesh:
         gloo's ``all_reduce`` does, and alike on every member to the last bit. The members cut it into
         as many parts: each member receives its part from every other, sums it in the members' order,
         and sends the sum back to every other (a reduce-scatter, then an all-gather: each sends and
-        receives ``(n - 1) / n`` of the tensor twice). The bytes go straight between the sockets and
-        the tensor's memory."""
+        receives ``(n - 1) / n`` of the tensor twice), the bytes straight between the sockets and the
+        tensor's memory; from ``SHARED_FROM`` bytes on, through memory the members share instead
+        (``_sum_shared``)."""
         assert tensor.device.type == "cpu" and tensor.is_contiguous(), "a contiguous CPU tensor"
         flat = tensor.view(-1)
         members = list(members)

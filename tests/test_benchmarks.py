@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
 import subprocess
 import sys
@@ -124,15 +125,27 @@ def test_the_schedules_benchmark_runs_two_stages_in_one_process_from_the_forkser
     """The layout `python -m benchmarks.schedules --device cuda` runs on one GPU, here on the CPU: one
     process holding both stages of each multi-stage schedule, under the strategy and by hand, each
     started from the forkserver (as a GPU's must be); every schedule gets its step and its ratio to
-    the loop by hand, and the analyzer plans for that one process."""
-    from benchmarks.schedules import measure
-    from lightning_hetero.pipeline import available_schedules
-
-    results = measure(steps=6, repeats=1, micro_batches=2, width=32, batch_size=16, processes=1, start_method="forkserver")
-    assert set(results) == {"planned", "GPipe", "1F1B", *available_schedules()}
-    for schedule in available_schedules():
-        r = results[schedule]
-        assert 0 < r["hetero"] < 1 and 0 < r["plain"] < 1 and 0 < r["hetero/plain"].median < math.inf
-        assert 0 < r["predicted"] < math.inf
-    assert "plain" not in results["GPipe"] and "plain" not in results["1F1B"]  # one stage: nothing to write by hand
-    assert " x1, " in results["planned"]["plan"] or " x2, " in results["planned"]["plan"]
+    the loop by hand, and the analyzer plans for that one process. In an interpreter of its own: a
+    process has one forkserver, whose preload its first user sets."""
+    script = (
+        "import json, math\n"
+        "from benchmarks.schedules import measure\n"
+        "from lightning_hetero.pipeline import available_schedules\n"
+        "if __name__ == '__main__':\n"
+        "    r = measure(steps=6, repeats=1, micro_batches=2, width=32, batch_size=16, processes=1, start_method='forkserver')\n"
+        "    print(json.dumps({'names': sorted(r), 'multi': available_schedules(), 'plan': r['planned']['plan'],\n"
+        "        'rows': {k: [v['hetero'], v.get('plain'), v['hetero/plain'].median if 'plain' in v else None, v['predicted']]\n"
+        "                 for k, v in r.items() if k != 'planned'}}))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1]
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["names"] == sorted(["planned", "GPipe", "1F1B", *found["multi"]]) and found["multi"]
+    for schedule in found["multi"]:
+        hetero, plain, ratio, predicted = found["rows"][schedule]
+        assert 0 < hetero < 1 and 0 < plain < 1 and 0 < ratio < math.inf and 0 < predicted < math.inf
+    for schedule in ("GPipe", "1F1B"):  # one stage: nothing to write by hand
+        assert found["rows"][schedule][1] is None
+    assert " x1, " in found["plan"] or " x2, " in found["plan"]
