@@ -67,7 +67,7 @@ def _plain_rank(
 ) -> None:
     """One process of the hand-written loop, with any schedule (``benchmarks.pipelining`` runs it too)."""
     torch.set_num_threads(1)  # as the strategy gives each of two emulated stages on two cores, and a GPU stage
-    if processes > 1 or device == "cuda":
+    if _pinned(processes, device):
         pin_rank(rank, processes)  # as `OneCorePerRank` pins the strategy's, before gloo starts its threads
     store = dist.FileStore(str(out / "store"), processes)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=processes, timeout=timedelta(seconds=60))
@@ -96,6 +96,13 @@ def _plain_rank(
     if rank == 0:
         (out / "times.json").write_text(json.dumps(times[WARMUP:]))
     dist.destroy_process_group()
+
+
+def _pinned(processes: int, device: str) -> bool:
+    """Whether each process runs on a core of its own: processes of one torch thread each, the emulated
+    stages of two or more processes and a GPU's (one emulated stage alone takes every core the
+    strategy gives it)."""
+    return processes > 1 or device == "cuda"
 
 
 def plain_pipelining(
@@ -142,9 +149,7 @@ def measure(
     processes = processes or (1 if device == "cuda" else PROCESSES)
     stages = ["cuda:0"] if device == "cuda" else ["cpu"] * processes
     start_method = start_method or ("forkserver" if device == "cuda" else "fork")
-    # One core per process, for processes of one torch thread each: the emulated stages of two or more
-    # processes, and a GPU's (one emulated stage alone takes every core the strategy gives it).
-    pinned = [OneCorePerRank(processes)] if device == "cuda" or processes > 1 else []
+    pinned = [OneCorePerRank(processes)] if _pinned(processes, device) else []
     if start_method == "forkserver":
         _preload_forkserver(MLP())  # the server imports torch, the package and the benchmarks once
     loader = synthetic_loader(batch_size * steps, batch_size)

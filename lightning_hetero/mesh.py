@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM"]
+__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM", "sum_over"]
 
 REPORTS, POSTS, OBJECTS, SUMS = 1, 2, 3, 4
 """The kinds of frames: the steps' reports both ways, those sent one way, any other objects, and
@@ -258,11 +258,7 @@ class LocalMesh:
         mark = nbytes.to_bytes(8, "little")
         for peer, got in self.exchange(SUMS, mark, peers).items():
             if got != mark:
-                raise RuntimeError(
-                    f"[hetero] Global rank {self._global[peer]} is in another sum than this process (of"
-                    f" {int.from_bytes(got[:8], 'little')} bytes, not {nbytes}): the ranks' steps are out of step (a"
-                    " bug: please report it, with the run's layout)."
-                )
+                raise self._out_of_step(peer, f"a round of a sum of {int.from_bytes(got[:8], 'little')} bytes", f"one of {nbytes}")
 
     def _shared_for(self, members: list[int], nbytes: int) -> Optional["_Shared"]:
         """The members' segments, of ``nbytes`` at least: one per member and set of members, made at
@@ -336,16 +332,12 @@ class LocalMesh:
             events = poller.poll(max(0, int(left * 1000)) + 1) if left > 0 else []
             if not events:
                 waiting = sorted(set(pending) | set(filled))
-                raise TimeoutError(
-                    f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a sum of gradients with global"
-                    f" rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither answered nor ended: a"
-                    " process that hangs, or one far behind the others."
-                )
+                raise self._timed_out(waiting)
             for fd, event in events:
                 peer = self._peer_of[fd]
                 if event & select.POLLNVAL:
                     raise self._gone(peer)
-                if event & (select.POLLHUP | select.POLLERR) and not event & select.POLLIN and (peer in pending or peer in filled):
+                if event & (select.POLLHUP | select.POLLERR) and not event & select.POLLIN:  # (only peers due something are polled)
                     raise self._gone(peer)
 
     def _fill(self, peer: int, into: memoryview, filled: dict[int, int]) -> bool:
@@ -354,15 +346,14 @@ class LocalMesh:
         inbox = self._inbox[peer]
         if filled[peer] < 0:
             while len(inbox) < _HEAD.size:
-                if not self._read_some(peer, _HEAD.size - len(inbox)):
+                before = len(inbox)
+                if not self._read(peer, _HEAD.size - len(inbox)):
+                    raise self._gone(peer)
+                if len(inbox) == before:  # nothing there yet
                     return False
             kind, length = _HEAD.unpack_from(inbox)
             if kind != SUMS or length != len(into):
-                raise RuntimeError(
-                    f"[hetero] Global rank {self._global[peer]} sent a message of kind {kind} and {length} bytes where a"
-                    f" part of a sum of {len(into)} bytes was due: the ranks' steps are out of step (a bug: please"
-                    " report it, with the run's layout)."
-                )
+                raise self._out_of_step(peer, f"a message of kind {kind} and {length} bytes", f"a part of a sum of {len(into)} bytes")
             taken = min(length, len(inbox) - _HEAD.size)
             into[:taken] = inbox[_HEAD.size : _HEAD.size + taken]
             del inbox[: _HEAD.size + taken]
@@ -377,19 +368,6 @@ class LocalMesh:
             if got == 0:
                 raise self._gone(peer)
             filled[peer] += got
-        return True
-
-    def _read_some(self, peer: int, wanted: int) -> bool:
-        """Up to ``wanted`` more bytes from ``peer`` into its inbox; False where none are there yet."""
-        try:
-            chunk = self._sockets[peer].recv(wanted)
-        except BlockingIOError:
-            return False
-        except ConnectionResetError:
-            chunk = b""
-        if not chunk:
-            raise self._gone(peer)
-        self._inbox[peer] += chunk
         return True
 
     def exchange(self, kind: int, data: bytes, peers: Iterable[int]) -> dict[int, bytes]:
@@ -425,11 +403,7 @@ class LocalMesh:
             events = poller.poll(max(0, int(left * 1000)) + 1) if left > 0 else []
             if not events:
                 waiting = sorted(set(sending) | (set(want) - set(got)))
-                raise TimeoutError(
-                    f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a message to travel"
-                    f" to or from global rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither"
-                    " answered nor ended: a process that hangs, or one far behind the others."
-                )
+                raise self._timed_out(waiting)
             for fd, event in events:
                 peer = self._peer_of[fd]
                 if event & select.POLLOUT and peer in sending:
@@ -461,10 +435,11 @@ class LocalMesh:
         except (BrokenPipeError, ConnectionResetError) as error:
             raise self._gone(peer) from error
 
-    def _read(self, peer: int) -> bool:
-        """What ``peer`` sent so far, into its inbox; ``False`` once it has closed its end."""
+    def _read(self, peer: int, wanted: int = _READ) -> bool:
+        """What ``peer`` sent so far (up to ``wanted`` bytes), into its inbox; ``False`` once it has
+        closed its end."""
         try:
-            chunk = self._sockets[peer].recv(_READ)
+            chunk = self._sockets[peer].recv(wanted)
         except BlockingIOError:
             return True
         except ConnectionResetError:
@@ -481,13 +456,23 @@ class LocalMesh:
         if len(inbox) < _HEAD.size + length:
             return None
         if found != kind:
-            raise RuntimeError(
-                f"[hetero] Global rank {self._global[peer]} sent a message of kind {found} where one of kind {kind}"
-                " was due: the ranks' steps are out of step (a bug: please report it, with the run's layout)."
-            )
+            raise self._out_of_step(peer, f"a message of kind {found}", f"one of kind {kind}")
         data = bytes(inbox[_HEAD.size : _HEAD.size + length])
         del inbox[: _HEAD.size + length]
         return data
+
+    def _timed_out(self, waiting: Iterable[int]) -> TimeoutError:
+        return TimeoutError(
+            f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a message to travel to or from global"
+            f" rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither answered nor ended: a process"
+            " that hangs, or one far behind the others."
+        )
+
+    def _out_of_step(self, peer: int, sent: str, due: str) -> RuntimeError:
+        return RuntimeError(
+            f"[hetero] Global rank {self._global[peer]} sent {sent} where {due} was due: the ranks' steps are out of"
+            " step (a bug: please report it, with the run's layout)."
+        )
 
     def _gone(self, peer: int) -> ConnectionError:
         return ConnectionError(
@@ -548,6 +533,16 @@ class _Shared:
         """This process's hold on them: each mapping goes with the last tensor that views it."""
         self.segments.clear()
         self._mine.close()
+
+
+def sum_over(tensor: Tensor, group: Optional[dist.ProcessGroup], mesh: Optional[LocalMesh]) -> None:
+    """Sum a CPU ``tensor`` over ``group`` in place: over ``mesh`` where it joins the group's processes
+    (``LocalMesh.all_reduce_sum``), else over gloo."""
+    members = mesh.ranks_of(group) if mesh is not None else None
+    if mesh is not None and members is not None:
+        mesh.all_reduce_sum(tensor, members)
+    else:
+        dist.all_reduce(tensor, group=group)
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:

@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hetero.files import atomic_write
-from lightning_hetero.mesh import LocalMesh
+from lightning_hetero.mesh import LocalMesh, sum_over
 from lightning_hetero.module import run_layers, tied_parameters
 from lightning_hetero.shares import batch_size_of, slice_batch
 
@@ -577,15 +577,11 @@ def gradient_sum_over(group: dist.ProcessGroup, mesh: Optional[LocalMesh] = None
     averaged, and unpacked (the copies cost as much as the all-reduce on a fast link); over the
     mesh's sockets where the run has one (coarse mode's sums, ``sync.CoarseSync``), else over gloo."""
     staging: dict[int, Tensor] = {}
-    members = mesh.ranks_of(group) if mesh is not None else None
 
     def transfer(gradients: Tensor) -> None:
         flat = staging.setdefault(gradients.numel(), torch.empty_like(gradients))
         flat.copy_(gradients)
-        if mesh is not None and members is not None:
-            mesh.all_reduce_sum(flat, members)
-        else:
-            dist.all_reduce(flat, group=group)
+        sum_over(flat, group, mesh)
         flat.div_(2)
         gradients.copy_(flat)
 

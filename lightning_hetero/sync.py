@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hetero.finite import finite_flag
-from lightning_hetero.mesh import LocalMesh
+from lightning_hetero.mesh import LocalMesh, sum_over
 from lightning_hetero.offload import BucketStep, OffloadStep, param_index
 from lightning_hetero.record import StepClock, span
 from lightning_hetero.sharding import ShardedOptimizer, ShardedStep
@@ -545,11 +545,7 @@ def global_grad_norm(
         partials[stage_index] = torch.nn.utils.get_total_norm(stage_grads, 2.0).double().cpu() ** 2
     if not finite:
         partials.fill_(math.nan)
-    members = mesh.ranks_of(group) if mesh is not None else None
-    if mesh is not None and members is not None:
-        mesh.all_reduce_sum(partials, members)  # one non-zero term a slot: the same sum as gloo's
-    else:
-        dist.all_reduce(partials, group=group)
+    sum_over(partials, group, mesh)  # one non-zero term a slot: the same sum over the mesh as over gloo
     return (partials / num_nodes).sum().sqrt()
 
 
