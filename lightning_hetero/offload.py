@@ -333,6 +333,13 @@ def offload_for_memory(params: Sequence[Sequence[nn.Parameter]], device: torch.d
     return chosen
 
 
+def bucket_indices(offload: Any) -> bool:
+    """Whether ``offload`` is a collection of bucket indices (integers >= 0), as a list of them must be."""
+    return isinstance(offload, (Sequence, set, frozenset)) and all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in offload
+    )
+
+
 def check_offload(offload: Any, mode: str) -> None:
     """Raise a clear error for an ``offload`` argument no run could follow."""
     if isinstance(offload, str):
@@ -341,8 +348,8 @@ def check_offload(offload: Any, mode: str) -> None:
         if offload == "all" and mode != "fine":
             raise ValueError("`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`.")
         return
-    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in offload):
-        raise ValueError(f"`offload={offload!r}` must list bucket indices (integers >= 0).")
+    if not bucket_indices(offload):
+        raise ValueError(f"`offload={offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices (integers >= 0).")
     if offload and mode != "fine":
         raise ValueError("`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`.")
 

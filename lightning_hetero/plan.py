@@ -28,7 +28,7 @@ from lightning_hetero.module import check_model_contract, check_replica_contract
 from lightning_hetero.module import tied_parameters
 from lightning_hetero.multimodal import check_encoder_placement, check_placement, encoder_stages
 from lightning_hetero.numa import check_cpu_cores, cpu_worker_cores
-from lightning_hetero.offload import check_offload
+from lightning_hetero.offload import bucket_indices, check_offload
 from lightning_hetero.pipeline import V_SHAPED, ZERO_BUBBLE, holders, is_multi_stage, partition_layers, resolve_schedule
 from lightning_hetero.pipeline import schedule_class, schedule_name
 from lightning_hetero.sync import make_buckets
@@ -162,8 +162,8 @@ class HeteroPlan:
         if isinstance(self.offload, str):
             if self.offload not in ("auto", "none", "all"):
                 raise ValueError(f"Plan: `offload={self.offload!r}` must be 'auto', 'none', 'all' or a list of buckets.")
-        elif not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in self.offload):
-            raise ValueError(f"Plan: `offload={list(self.offload)}` must list bucket indices (integers >= 0).")
+        elif not bucket_indices(self.offload):
+            raise ValueError(f"Plan: `offload={self.offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices (integers >= 0).")
         if self.offload not in ("auto", "none", []) and self.mode != "fine":
             raise ValueError("Plan: offloaded buckets need `mode: fine`.")
         if self.bucket_size_mb <= 0:

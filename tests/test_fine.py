@@ -213,7 +213,9 @@ def test_resume_and_ordinary_checkpoints(tmp_path: Path, writer: str) -> None:
         ({"offload": "all"}, "`offload='all'` offloads fine mode's bucket steps; it needs `mode='fine'`"),
         ({"offload": [1]}, "`offload=[...]` offloads fine mode's bucket steps; it needs `mode='fine'`"),
         ({"mode": "fine", "offload": "some"}, "must be 'auto', 'none', 'all' or a list of bucket indices"),
-        ({"mode": "fine", "offload": [-1]}, "must list bucket indices (integers >= 0)"),
+        ({"mode": "fine", "offload": [-1]}, "or a list of bucket indices (integers >= 0)"),
+        ({"mode": "fine", "offload": None}, "`offload=None` must be 'auto', 'none', 'all' or a list of bucket indices"),
+        ({"mode": "fine", "offload": 2}, "`offload=2` must be 'auto', 'none', 'all' or a list of bucket indices"),
         ({"mode": "fine", "bucket_size_mb": 0}, "`bucket_size_mb=0` must be a positive number of megabytes"),
     ],
 )

@@ -48,6 +48,8 @@ def test_table_is_readable() -> None:
         ({"cpu_workers": 0}, "gives the CPU a share, but `cpu_workers=0`"),
         ({"stages": ["cpu", "tpu", "cpu"]}, "Stage device 'tpu' is not a device name"),
         ({"mode": "coarse"}, "offloaded buckets need `mode: fine`"),
+        ({"offload": None}, "`offload=None` must be 'auto', 'none', 'all' or a list of bucket indices"),
+        ({"offload": [0, -2]}, "`offload=[0, -2]` must be 'auto', 'none', 'all' or a list of bucket indices"),
         ({"micro_batches": 0}, "`micro_batches=0` must be >= 1"),
     ],
 )
