@@ -69,8 +69,10 @@ _TOKEN = 16
 class LocalMesh:
     """A Unix stream socket between this process and every other of a group, all on this host.
 
-    Peers are named by their rank in the group. Not thread-safe: one thread uses a mesh (the one
-    that runs the steps)."""
+    Peers are named by their rank in the group. Not thread-safe: one thread at a time uses a mesh.
+    That is the thread that runs the steps, except from the first bucket fine mode starts in a
+    backward until its last sum is done (``sync._Overlap.finish``), when the thread that sums the
+    buckets has it, and the steps' thread sends and receives nothing over it."""
 
     def __init__(self, sockets: dict[int, socket.socket], rank: int, global_ranks: Sequence[int], timeout: timedelta) -> None:
         self.rank, self.size = rank, len(global_ranks)

@@ -151,6 +151,15 @@ class _FlatBucket:
         self.buffer[offset:].copy_(torch.tensor(flags, dtype=self.buffer.dtype))
         return self.buffer
 
+    def start_sum(self, ready: Any = None) -> Any:
+        """Copy the gradients in (``pack``) and sum them over the group: over the mesh, done when this
+        returns (``None``), or over gloo, whose work is returned to wait for."""
+        flat = self.pack(ready)
+        if self.mesh is not None and self.members is not None:
+            self.mesh.all_reduce_sum(flat, self.members)
+            return None
+        return dist.all_reduce(flat, group=self.group, async_op=True)
+
     def unpack(self, destination: Callable[[nn.Parameter], Tensor] | None = None) -> None:
         """Put the sums into ``destination(p).grad`` (default: ``p.grad``); where that is not ``p``
         itself (a CPU master weight), the summed value never goes back to the device, and the
@@ -259,7 +268,7 @@ class GlobalNorm:
     group: dist.ProcessGroup
     mesh: Optional[LocalMesh] = None
     """The run's sockets between the processes of one host, which then carry the sum (used by the
-    thread that runs the steps only, as every use of the mesh)."""
+    thread that runs the steps, after fine mode's sums are done: ``LocalMesh``)."""
 
     def __call__(self, grads: Sequence[Tensor], finite: bool = True) -> Tensor:
         own = grads if self.slot is not None else None
@@ -411,8 +420,10 @@ class FineSync(GradSync):
         norm: Callable[[Sequence[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
         needs_cpu_workers: bool = False,
+        mesh: Optional[LocalMesh] = None,
     ) -> None:
         self._buckets = list(buckets)
+        self._mesh = mesh
         self._optimizer = optimizer
         self._replica_group = replica_group
         self._norm = norm
@@ -430,7 +441,7 @@ class FineSync(GradSync):
         entries = []
         for bucket, make_step in self._buckets:
             entries.append((bucket, make_step(self._optimizer, bucket.params, self._layout)))
-        overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite, self._dtype)
+        overlap = _Overlap(entries, self._replica_group, self._norm, self._skip_nonfinite, self._dtype, self._mesh)
         if self._threads is not None:
             overlap.set_threads(self._threads)
         return overlap
@@ -513,12 +524,10 @@ class FineSync(GradSync):
 def _all_reduce(buckets: Sequence[_FlatBucket]) -> None:
     """Sum every bucket over its group: over the mesh's sockets one after another, in the same order
     on every rank, or over gloo all at once."""
-    works = [dist.all_reduce(b.pack(), group=b.group, async_op=True) for b in buckets if b.members is None]
-    for b in buckets:
-        if b.mesh is not None and b.members is not None:
-            b.mesh.all_reduce_sum(b.pack(), b.members)
+    works = [b.start_sum() for b in buckets]
     for work in works:
-        work.wait()
+        if work is not None:
+            work.wait()
     for bucket in buckets:
         bucket.unpack()
 
@@ -599,8 +608,10 @@ class _Overlap:
 
     A hook on every parameter counts the gradients it receives during the final backward of an
     optimizer step (one per micro-batch on a stage, one on a CPU worker). As soon as all of a
-    bucket's parameters are complete, one thread copies the bucket out and starts its all-reduce
-    over the sync group (asynchronously, so several can be in flight), and a second thread, as
+    bucket's parameters are complete, one thread copies the bucket out and sums it over the sync
+    group: on one host over the mesh, one bucket after another (``LocalMesh.all_reduce_sum``; the
+    steps' thread leaves the mesh to it until ``finish`` has waited for every sum), over gloo
+    asynchronously (several in flight) where the group spans hosts. A second thread, as
     each sum arrives, averages it over nodes, clips it by value if asked, and steps the bucket,
     all while the backward goes on with earlier layers. Buckets are started strictly in bucket
     order, so every rank issues its collectives in the same order; a bucket that does not
@@ -621,6 +632,7 @@ class _Overlap:
         norm: Callable[[list[Tensor], bool], Tensor],
         skip_nonfinite: bool = False,
         dtype: Optional[torch.dtype] = None,
+        mesh: Optional[LocalMesh] = None,
     ) -> None:
         """``entries`` are this rank's buckets in bucket order: (whom they are summed over, step);
         ``norm(grads, finite)`` gives the global gradient norm from this rank's gradients (a
@@ -631,7 +643,9 @@ class _Overlap:
         self._counted = [bucket.counted for bucket, _ in entries]
         self._sums = {
             detached: [
-                _FlatBucket(b.params, group) if (group := b.without_cpu if detached else b.group) is not None and b.params else None
+                _FlatBucket(b.params, group, mesh=mesh)
+                if (group := b.without_cpu if detached else b.group) is not None and b.params
+                else None
                 for b, _ in entries
             ]
             for detached in (False, True)
@@ -802,9 +816,7 @@ class _Overlap:
             # wait for the global norm, it is summed everywhere, as the norm is the stages'.
             return owners.start(ready)
         flat = self._sums[self._detached][k]
-        if flat is None:
-            return None
-        return dist.all_reduce(flat.pack(ready), group=flat.group, async_op=True)
+        return flat.start_sum(ready) if flat is not None else None
 
     def _sum_and_step(self, k: int, started: Future) -> None:
         work = started.result()
@@ -813,9 +825,10 @@ class _Overlap:
         if owners is not None and not self._deferred:
             owners.finish(work)
             self.reduced_to_owners += 1
-        elif work is not None:
-            work.wait()
-            self._sums[self._detached][k].unpack(step.gradient_destination)
+        elif (flat := self._sums[self._detached][k]) is not None:
+            if work is not None:
+                work.wait()
+            flat.unpack(step.gradient_destination)
         if self._nodes[k] is not None and (owners is None or self._deferred):
             nodes = self._nodes[k]
             dist.all_reduce(nodes.pack(), group=nodes.group)

@@ -307,7 +307,7 @@ class Worker:
         a collective over ``control``). With ``sharding`` (several CPU workers), the CPU workers split
         their optimizer state and step (``sharding.py``): in coarse mode their replicas' (they keep out
         of a step they have no share of, as ever); in fine mode the offloaded buckets' (tied parameters'
-        buckets excepted), and then they take part in every step. ``mesh``: where every rank runs on this host, coarse mode's
+        buckets excepted), and then they take part in every step. ``mesh``: where every rank runs on this host, the
         sums go over its sockets."""
         if mode == "coarse":
             shards = None
@@ -329,7 +329,7 @@ class Worker:
 
         entries = [(self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), step_of(b)) for b in own]
         shares = sharding is not None and bool(offloaded)
-        return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite, needs_cpu_workers=shares)
+        return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite, needs_cpu_workers=shares, mesh=mesh)
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         """Take this rank's part of a checkpoint's ``state_dict``."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hetero.mesh import SHARED_FROM, LocalMesh
+from lightning_hetero.pipeline import available_schedules
 
 from tests.conftest import hetero, max_param_diff, trainer
 from tests.models import Net, regression_data
@@ -365,6 +366,38 @@ def test_coarse_modes_gradient_sums_go_over_the_mesh_on_one_host(monkeypatch: py
     monkeypatch.setattr(dist, "all_reduce", _all_reduce_of_one_value_only(dist.all_reduce))
     fit = trainer(hetero(cpu_workers=1, cpu_fraction=0.5, mode="coarse"), max_steps=4, gradient_clip_val=0.05)
     fit.fit(over_mesh, regression_data())
+    assert max_param_diff(over_mesh, over_gloo) == 0.0
+    assert max_param_diff(over_mesh, Net()) > 0  # it trained
+
+
+@pytest.mark.parametrize(
+    "arguments,clip",
+    [
+        (dict(offload=[0, 2]), None),
+        (dict(offload="none"), 0.05),
+        (dict(offload=[1], schedule="ZBVZeroBubble", micro_batches=4), None),
+    ],
+    ids=["steps during the backward", "clipping by norm", "zero-bubble V"],
+)
+@pytest.mark.parametrize("shared_from", [SHARED_FROM, 1], ids=["sockets", "shared memory"])
+def test_fine_modes_bucket_sums_go_over_the_mesh_on_one_host(
+    monkeypatch: pytest.MonkeyPatch, shared_from: int, arguments: dict, clip: float | None
+) -> None:
+    """Fine mode's thread that sums the buckets during the backward sums them over the mesh on one
+    host, in bucket order on every rank, and trains the model it trains over gloo to the last bit:
+    with every bucket's step in the backward, with the steps after it (clipping by norm), and with a
+    zero-bubble V whose stages' buckets complete in another order than the CPU worker's."""
+    if "schedule" in arguments and arguments["schedule"] not in available_schedules():
+        pytest.skip(f"this torch has no {arguments['schedule']}")
+    monkeypatch.setattr("lightning_hetero.mesh.SHARED_FROM", shared_from)
+    arguments = dict(mode="fine", bucket_size_mb=1e-5, cpu_workers=1, cpu_fraction=0.4, **arguments)
+    over_gloo = Net()
+    with monkeypatch.context() as patch:
+        patch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank()}")
+        trainer(hetero(**arguments), max_steps=4, gradient_clip_val=clip).fit(over_gloo, regression_data())
+    over_mesh = Net()
+    monkeypatch.setattr(dist, "all_reduce", _all_reduce_of_one_value_only(dist.all_reduce))
+    trainer(hetero(**arguments), max_steps=4, gradient_clip_val=clip).fit(over_mesh, regression_data())
     assert max_param_diff(over_mesh, over_gloo) == 0.0
     assert max_param_diff(over_mesh, Net()) > 0  # it trained
 
