@@ -575,7 +575,7 @@ def send_along(group: dist.ProcessGroup) -> Callable[[Tensor], Tensor]:
 def gradient_sum_over(group: dist.ProcessGroup, mesh: Optional[LocalMesh] = None) -> Callable[[Tensor], None]:
     """A gradient sum as the strategy does it: gradients packed into a flat buffer, summed,
     averaged, and unpacked (the copies cost as much as the all-reduce on a fast link); over the
-    mesh's sockets where the run has one (coarse mode's sums, ``sync.CoarseSync``), else over gloo."""
+    mesh's sockets where the run has one (as ``sync.CoarseSync`` and fine mode's ``sync._Overlap`` sum), else over gloo."""
     staging: dict[int, Tensor] = {}
 
     def transfer(gradients: Tensor) -> None:

@@ -405,13 +405,26 @@ def test_fine_modes_bucket_sums_go_over_the_mesh_on_one_host(
 def test_the_analyzer_times_the_gradient_sums_over_the_mesh_where_the_run_sums_over_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The link the planner weighs coarse mode's sums by is the one they take: on one host, the mesh
-    (gloo's ``all_reduce`` of more than one value refused)."""
+    """The link the planner weighs the sums by is the one they take: on one host, the mesh (gloo's
+    ``all_reduce`` of more than one value refused), timed at sizes that go through shared memory, as
+    a stage's gradients and fine mode's buckets nearly always do (even this model's smaller ones)."""
+    import lightning_hetero.callbacks.analyzer as analyzer_module
     from lightning_hetero.callbacks import WorkloadAnalyzer
     from lightning_hetero.profiling import Profile
 
+    timed = tmp_path / "timed.txt"
+    time_link = analyzer_module.time_link
+
+    def noting_sizes(transfer: Callable, device: torch.device, sizes: tuple[int, int] = (1 << 14, 1 << 22), repeats: int = 3) -> Any:
+        with timed.open("a") as out:
+            out.write(f"{transfer.__qualname__.split('.')[0]} {sizes[0]} {sizes[1]}\n")
+        return time_link(transfer, device, sizes, repeats)
+
+    monkeypatch.setattr(analyzer_module, "time_link", noting_sizes)
     monkeypatch.setattr(dist, "all_reduce", _all_reduce_of_one_value_only(dist.all_reduce))
-    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=3, measure_steps=1, save_dir=str(tmp_path))
+    analyzer = WorkloadAnalyzer(repeats=1, max_micro_batches=2, warmup_steps=3, measure_steps=1, save_dir=str(tmp_path / "plan"))
     trainer(hetero(cpu_workers=1, mode="coarse"), max_steps=6, callbacks=[analyzer]).fit(Net(), regression_data())
-    sync = Profile.load(tmp_path / "profile.json").links["sync"]
+    sync = Profile.load(tmp_path / "plan" / "profile.json").links["sync"]
     assert sync.bytes_per_s > 0 and sync.latency >= 0
+    sums = [line.split()[1:] for line in timed.read_text().splitlines() if line.startswith("gradient_sum_over")]
+    assert sums and all(4 * int(small) >= SHARED_FROM and int(large) > int(small) for small, large in sums), sums

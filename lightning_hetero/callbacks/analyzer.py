@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_hetero import mesh
 from lightning_hetero.data import training_loader
 from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction, best_placement, explain_placement, samples_by_place
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
@@ -385,7 +386,10 @@ class WorkloadAnalyzer(L.Callback):
         assert groups is not None
         links: dict[str, LinkProfile] = {}
         cpu = torch.device("cpu")
-        sizes = (1 << 14, max(1 << 16, min(1 << 24, model_bytes // 4 // max(1, len(groups.sync)))))
+        small = 1 << 14
+        if groups.mesh is not None:  # both sizes where the run's sums go: shared memory, from `SHARED_FROM` bytes on
+            small = max(small, mesh.SHARED_FROM // 4)
+        sizes = (small, max(4 * small, min(1 << 24, model_bytes // 4 // max(1, len(groups.sync)))))
         for group in groups.sync:
             if group is not None:
                 link = time_link(gradient_sum_over(group, groups.mesh), cpu, sizes, repeats=self.repeats)
