@@ -37,6 +37,7 @@ import select
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -70,9 +71,9 @@ class LocalMesh:
     """A Unix stream socket between this process and every other of a group, all on this host.
 
     Peers are named by their rank in the group. Not thread-safe: one thread at a time uses a mesh.
-    That is the thread that runs the steps, except from the first bucket fine mode starts in a
-    backward until its last sum is done (``sync._Overlap.finish``), when the thread that sums the
-    buckets has it, and the steps' thread sends and receives nothing over it."""
+    That is the thread that runs the steps, except while it is lent (``lend``): fine mode lends it
+    to the thread that sums the buckets from the first gradient of a backward until its last sum
+    is done (``sync._Overlap``), and another thread's use then is an error."""
 
     def __init__(self, sockets: dict[int, socket.socket], rank: int, global_ranks: Sequence[int], timeout: timedelta) -> None:
         self.rank, self.size = rank, len(global_ranks)
@@ -83,6 +84,7 @@ class LocalMesh:
         self._inbox = {peer: bytearray() for peer in sockets}
         self._shared: dict[tuple[int, ...], Optional[_Shared]] = {}
         self._peer_of = {s.fileno(): peer for peer, s in sockets.items()}
+        self._lent_to: Optional[threading.Thread] = None
         for s in sockets.values():
             s.setblocking(False)
 
@@ -146,6 +148,20 @@ class LocalMesh:
         global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
         return cls(sockets, rank, global_ranks, timeout)
 
+    def lend(self, thread: Optional[threading.Thread]) -> None:
+        """Let ``thread`` alone use the mesh until it is lent again (``None``: any thread, one at a time)."""
+        self._lent_to = thread
+
+    def _check_thread(self) -> None:
+        lent = self._lent_to
+        if lent is not None and lent.ident != threading.get_ident():
+            raise RuntimeError(
+                f"[hetero] Thread {threading.current_thread().name!r} sent or received over the run's sockets while they"
+                f" were lent to {lent.name!r}, the thread that sums fine mode's buckets from the backward's first"
+                " gradient to its last sum. The strategy's collectives (`broadcast`, `gather`, `reduce`) cannot run"
+                " then: call them outside the step method of a pipeline's last stage (which runs after the backward)."
+            )
+
     def close(self) -> None:
         for s in self._sockets.values():
             s.close()
@@ -200,6 +216,7 @@ class LocalMesh:
         tensor's memory; from ``SHARED_FROM`` bytes on, through memory the members share instead
         (``_sum_shared``)."""
         assert tensor.device.type == "cpu" and tensor.is_contiguous(), "a contiguous CPU tensor"
+        self._check_thread()
         flat = tensor.view(-1)
         members = list(members)
         count = len(members)
@@ -386,6 +403,7 @@ class LocalMesh:
         return self._transfer(kind, b"", [], [peer])[peer]
 
     def _transfer(self, kind: int, data: bytes, to: list[int], want: list[int]) -> dict[int, bytes]:
+        self._check_thread()
         frame = memoryview(_HEAD.pack(kind, len(data)) + data) if to else memoryview(b"")
         sending = {}
         for peer in to:

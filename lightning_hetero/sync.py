@@ -610,8 +610,9 @@ class _Overlap:
     optimizer step (one per micro-batch on a stage, one on a CPU worker). As soon as all of a
     bucket's parameters are complete, one thread copies the bucket out and sums it over the sync
     group: on one host over the mesh, one bucket after another (``LocalMesh.all_reduce_sum``; the
-    steps' thread leaves the mesh to it until ``finish`` has waited for every sum), over gloo
-    asynchronously (several in flight) where the group spans hosts. A second thread, as
+    mesh is lent to that thread from the first bucket it starts, with the backward's first
+    gradient, until ``finish`` has waited for every sum), over gloo asynchronously (several in
+    flight) where the group spans hosts. A second thread, as
     each sum arrives, averages it over nodes, clips it by value if asked, and steps the bucket,
     all while the backward goes on with earlier layers. Buckets are started strictly in bucket
     order, so every rank issues its collectives in the same order; a bucket that does not
@@ -651,6 +652,7 @@ class _Overlap:
             for detached in (False, True)
         }
         self._nodes = [_FlatBucket(p, replica_group, average=True) if replica_group and p else None for p in self._params]
+        self._mesh = mesh
         self._steps = [step for _, step in entries]
         self._owners = [OwnerSums(s, replica_group) if isinstance(s, ShardedStep) else None for s in self._steps]
         self._norm = norm
@@ -712,6 +714,7 @@ class _Overlap:
         # A parameter that receives nothing here (an encoder computed elsewhere) does not hold its bucket back.
         self._missing = [sum(p.requires_grad and arrivals.of(p) > 0 for p in params) for params in self._params]
         self._next = 0
+        self._started: list[Future] = []
         self._done: list[Future] = []
         self._backward_over = False
         self._stepped_in_backward = 0
@@ -721,7 +724,8 @@ class _Overlap:
         self.skipped = False
         self.reduced_to_owners = 0
         self._armed = True
-        self._start_complete()  # buckets with nothing to wait for (no trainable parameters)
+        # Buckets with nothing to wait for (no trainable parameters) start with the first gradient
+        # (or at `finish`): not before the forward, whose step method may still use the mesh.
 
     def finish(self, finite: bool = True) -> None:
         """Start the buckets still waiting and wait for all of them. Where the steps wait for the
@@ -734,6 +738,8 @@ class _Overlap:
         self._start_complete(everything=True)
         for done in self._done:
             done.result()
+        if self._mesh is not None:
+            self._mesh.lend(None)  # every sum is done: back to the steps' thread
         self.stepped_early = self._stepped_in_backward
         self.grads_finite = bool(torch.stack(self._finite).all()) if self._finite else True
         if self._deferred:
@@ -759,10 +765,12 @@ class _Overlap:
             step.after_all_steps()
 
     def abort(self) -> None:
-        """Stop after a failure in this step: nothing more starts; what is queued is dropped."""
+        """Stop after a failure in this step: nothing more starts; the sums and steps queued are
+        dropped (a sum already running ends with its peers, or when they end; the mesh stays lent
+        to it)."""
         self._armed = False
-        for done in getattr(self, "_done", []):
-            done.cancel()
+        for future in [*getattr(self, "_started", []), *getattr(self, "_done", [])]:
+            future.cancel()
 
     def set_threads(self, threads: int) -> None:
         """Give the sum and step threads ``threads`` torch threads from their next call on (a
@@ -804,7 +812,10 @@ class _Overlap:
             if self._device is not None:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self._device))
+            if self._mesh is not None and self._next == 0:
+                self._mesh.lend(self._starter.thread)  # the sums' until `finish` has waited for every one
             started = self._starter.submit(self._start_sum, k, ready)
+            self._started.append(started)
             self._done.append(self._stepper.submit(self._sum_and_step, k, started))
             self._next += 1
 
@@ -882,7 +893,8 @@ class _DaemonThread:
 
     def __init__(self, name: str, initializer: Optional[Callable[[], Any]] = None) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
+        self.thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()

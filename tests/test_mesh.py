@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -400,6 +401,55 @@ def test_fine_modes_bucket_sums_go_over_the_mesh_on_one_host(
     trainer(hetero(**arguments), max_steps=4, gradient_clip_val=clip).fit(over_mesh, regression_data())
     assert max_param_diff(over_mesh, over_gloo) == 0.0
     assert max_param_diff(over_mesh, Net()) > 0  # it trained
+
+
+class _CollectivesInTheStep(Net):
+    """Its last layer frozen (its bucket has no gradient to wait for), and the strategy's collectives
+    called in its step method, before the forward: where the CPU worker and the one stage run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[4].requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        assert self.trainer.strategy.broadcast(batch_idx, src=0) == batch_idx
+        assert self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum") >= 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_fine_mode_lends_the_mesh_to_its_sums_from_the_first_gradient_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket with nothing to wait for (a frozen head) is summed with the first gradient, not
+    before the forward: the step method's collectives on the same sockets keep their order."""
+    plain = trainer(None, max_steps=4)
+    expected = _CollectivesInTheStep()
+    plain.fit(expected, regression_data())
+    model = _CollectivesInTheStep()
+    strategy = hetero(mode="fine", bucket_size_mb=1e-5, cpu_workers=1, cpu_fraction=0.5, stages=["cpu"])
+    trainer(strategy, max_steps=4).fit(model, regression_data())
+    assert max_param_diff(model, expected) < 1e-10
+
+
+def _lent(rank: int, mesh: LocalMesh, store: dist.Store) -> Any:
+    if rank == 1:
+        return [mesh.receive(1, 0), mesh.receive(1, 0)]
+    summer = threading.Thread(target=lambda: mesh.send(1, b"from the thread", [1]), name="summer")
+    mesh.lend(summer)
+    try:
+        mesh.send(1, b"refused", [1])
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    summer.start()
+    summer.join()
+    mesh.lend(None)
+    mesh.send(1, b"back", [1])
+    return refused
+
+
+def test_a_mesh_lent_to_a_thread_refuses_every_other(tmp_path: Path) -> None:
+    refused, received = _run(tmp_path, 2, _lent)
+    assert refused is not None and "Thread 'MainThread' sent or received" in refused and "lent to 'summer'" in refused
+    assert received == [b"from the thread", b"back"]
 
 
 def test_the_analyzer_times_the_gradient_sums_over_the_mesh_where_the_run_sums_over_it(
