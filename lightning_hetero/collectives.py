@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
@@ -24,7 +25,36 @@ from torch import Tensor
 from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.topology import gather_object_to
 
-__all__ = ["ControlCollectives"]
+__all__ = ["ControlCollectives", "in_step_method", "not_in_a_step_method"]
+
+_IN_STEP_METHOD: ContextVar[bool] = ContextVar("hetero_in_step_method", default=False)
+
+
+@contextmanager
+def in_step_method() -> Iterator[None]:
+    """Marks a worker running a step method on its share of a batch (``results.LogCapture``)."""
+    token = _IN_STEP_METHOD.set(True)
+    try:
+        yield
+    finally:
+        _IN_STEP_METHOD.reset(token)
+
+
+def not_in_a_step_method(call: str) -> RuntimeError:
+    """The error for a collective (``call``) in a step method, which not every process runs."""
+    return RuntimeError(
+        f"{call} in a step method: under the hetero strategy a step method runs on one worker's share of"
+        " the batch, and not in every process (a pipeline's stages before the last never run it, and a CPU worker"
+        " only while it has a share), so a collective there would wait for processes that never reach it. What"
+        " `self.log(...)` and torchmetrics metrics record in step methods is combined over the workers, as for the"
+        " whole batch in one process; run other collectives in a hook that every process runs (`on_train_batch_start`,"
+        " an epoch-end hook)."
+    )
+
+
+def _every_process(call: str) -> None:
+    if _IN_STEP_METHOD.get():
+        raise not_in_a_step_method(call)
 
 
 class ControlCollectives:
@@ -64,6 +94,7 @@ class ControlCollectives:
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:
         """Every rank's ``obj`` (picklable), indexed by global rank, over the control group (a
         collective). With ``dst``, only that global rank receives them; the others get ``[]``."""
+        _every_process("`trainer.strategy.gather`")
         group, mesh = self.control_group, self.local_mesh
         if mesh is not None:
             with self.every_rank("Gathering"):
@@ -79,22 +110,26 @@ class ControlCollectives:
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
+        _every_process("`trainer.strategy.reduce`")
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         with self.every_rank("Reducing"):
             return _sync_ddp(tensor.cpu(), group=group or self.control_group, reduce_op=reduce_op).to(tensor.device)
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        _every_process("`trainer.strategy.all_gather`")
         with self.every_rank("Gathering"):
             gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self.control_group, sync_grads=sync_grads)
         return gathered.to(tensor.device)
 
     def barrier(self, name: Optional[str] = None) -> None:
+        _every_process("`trainer.strategy.barrier`")
         if _distributed_is_initialized():
             with self.every_rank(f"The barrier {name!r}" if name else "A barrier"):
                 dist.barrier(group=self.control_group)
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        _every_process("`trainer.strategy.broadcast`")
         if not _distributed_is_initialized():
             return obj
         mesh = self.local_mesh

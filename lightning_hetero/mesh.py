@@ -158,8 +158,7 @@ class LocalMesh:
             raise RuntimeError(
                 f"[hetero] Thread {threading.current_thread().name!r} sent or received over the run's sockets while they"
                 f" were lent to {lent.name!r}, the thread that sums fine mode's buckets from the backward's first"
-                " gradient to its last sum. The strategy's collectives (`broadcast`, `gather`, `reduce`) cannot run"
-                " then: call them outside the step method of a pipeline's last stage (which runs after the backward)."
+                " gradient to its last sum (a bug: please report it, with the run's layout)."
             )
 
     def close(self) -> None:

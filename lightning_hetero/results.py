@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from lightning_hetero.collectives import in_step_method, not_in_a_step_method
 from lightning_hetero.mesh import POSTS, REPORTS, LocalMesh
 
 __all__ = [
@@ -147,13 +148,7 @@ def _read(tensors: list[Tensor], fenced: set[torch.device]) -> list[float]:
 
 
 def _refuse_all_gather(*args: Any, **kwargs: Any) -> Any:
-    raise RuntimeError(
-        "`self.all_gather` in a step method: under the hetero strategy a step method runs on one worker's share of"
-        " the batch, and not in every process (a pipeline's stages before the last never run it, and a CPU worker"
-        " only while it has a share), so a collective there would wait for processes that never reach it. What"
-        " `self.log(...)` and torchmetrics metrics record in step methods is combined over the workers, as for the"
-        " whole batch in one process; gather anything else in an epoch-end hook, which every process runs."
-    )
+    raise not_in_a_step_method("`self.all_gather`")
 
 
 class LogCapture:
@@ -177,6 +172,8 @@ class LogCapture:
         self.logs: list[LoggedValue] = []
 
     def __enter__(self) -> LogCapture:
+        self._step_method = in_step_method()  # the strategy's collectives are refused in it
+        self._step_method.__enter__()
         self.module.log = self._capture  # type: ignore[method-assign]
         self.module.all_gather = _refuse_all_gather  # type: ignore[method-assign]
         self._batch_states: dict[int, dict[str, Any]] = {}
@@ -187,6 +184,7 @@ class LogCapture:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._step_method.__exit__(*exc)
         del self.module.log
         del self.module.all_gather
         for metric, compute in self._computes:

@@ -100,6 +100,24 @@ class GathersInStep(Net):
         return loss
 
 
+class CallsStrategyInStep(Net):
+    """A collective of the strategy's inside `training_step` (DDP runs it on every process)."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call = call
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        {
+            "broadcast": lambda: strategy.broadcast(batch_idx),
+            "gather": lambda: strategy.gather(batch_idx),  # type: ignore[attr-defined]
+            "reduce": lambda: strategy.reduce(torch.tensor(1.0)),
+            "barrier": lambda: strategy.barrier(),
+        }[self.call]()
+        return super().training_step(batch, batch_idx)
+
+
 class ExtraLoss(Net):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -335,6 +353,14 @@ CASES = {
         "`self.all_gather` in a step method: under the hetero strategy a step method runs on one worker's share",
         in_run=True,
     ),
+    **{
+        f"strategy-{call}-in-a-step-method": Bad(
+            lambda _, call=call: fit(CallsStrategyInStep(call), hetero(cpu_fraction=0.5, timeout=60)),
+            f"`trainer.strategy.{call}` in a step method: under the hetero strategy a step method runs on one worker's share",
+            in_run=True,
+        )
+        for call in ("broadcast", "gather", "reduce", "barrier")
+    },
     "dataloader-iter-step": Bad(lambda _: fit(IterStep()), "`IterStep.training_step` must take `(batch, batch_idx)`"),
     # DataLoaders passed to `fit`: a first batch is read in the main process.
     "batches-not-pairs": Bad(
