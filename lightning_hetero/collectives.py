@@ -25,19 +25,10 @@ from torch import Tensor
 from lightning_hetero.mesh import LocalMesh
 from lightning_hetero.topology import gather_object_to
 
-__all__ = ["ControlCollectives", "in_step_method", "not_in_a_step_method"]
+__all__ = ["ControlCollectives", "IN_STEP_METHOD", "not_in_a_step_method"]
 
-_IN_STEP_METHOD: ContextVar[bool] = ContextVar("hetero_in_step_method", default=False)
-
-
-@contextmanager
-def in_step_method() -> Iterator[None]:
-    """Marks a worker running a step method on its share of a batch (``results.LogCapture``)."""
-    token = _IN_STEP_METHOD.set(True)
-    try:
-        yield
-    finally:
-        _IN_STEP_METHOD.reset(token)
+IN_STEP_METHOD: ContextVar[bool] = ContextVar("hetero_in_step_method", default=False)
+"""True while a worker runs a step method on its share of a batch (set by ``results.LogCapture``)."""
 
 
 def not_in_a_step_method(call: str) -> RuntimeError:
@@ -53,7 +44,7 @@ def not_in_a_step_method(call: str) -> RuntimeError:
 
 
 def _every_process(call: str) -> None:
-    if _IN_STEP_METHOD.get():
+    if IN_STEP_METHOD.get():
         raise not_in_a_step_method(call)
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from lightning_hetero.collectives import in_step_method, not_in_a_step_method
+from lightning_hetero.collectives import IN_STEP_METHOD, not_in_a_step_method
 from lightning_hetero.mesh import POSTS, REPORTS, LocalMesh
 
 __all__ = [
@@ -172,8 +172,7 @@ class LogCapture:
         self.logs: list[LoggedValue] = []
 
     def __enter__(self) -> LogCapture:
-        self._step_method = in_step_method()  # the strategy's collectives are refused in it
-        self._step_method.__enter__()
+        self._in_step_method = IN_STEP_METHOD.set(True)  # the strategy's collectives are refused in it
         self.module.log = self._capture  # type: ignore[method-assign]
         self.module.all_gather = _refuse_all_gather  # type: ignore[method-assign]
         self._batch_states: dict[int, dict[str, Any]] = {}
@@ -184,7 +183,7 @@ class LogCapture:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._step_method.__exit__(*exc)
+        IN_STEP_METHOD.reset(self._in_step_method)
         del self.module.log
         del self.module.all_gather
         for metric, compute in self._computes:
