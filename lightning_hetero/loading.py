@@ -332,7 +332,8 @@ class LoadBalancer:
     share the slower CPU workers earn). Where the wait has stayed under half of that for ``calm``
     decisions and the split is not where it started, one move back. A move is judged at the first
     decision after it took effect (a loader's new worker count, at its next epoch): where the step
-    got slower by more than ``margin``, it is undone and no move is made for ``calm`` decisions
+    got slower by more than ``margin`` and by more than ``least`` (a loop's jitter: one window's
+    step tells no smaller difference), it is undone and no move is made for ``calm`` decisions
     (twice as many after each undone move in a row, up to 8x), so the balancer never leaves the step
     slower than where it started.
 
@@ -399,7 +400,7 @@ class LoadBalancer:
         if self.last_move is not None:
             workers, threads, before = self.last_move
             self.last_move = None
-            if step_time > before * (1 + self.margin):
+            if step_time > before * (1 + self.margin) and step_time - before > self.least:
                 self.workers, self.threads = workers, threads
                 self.blocked, self.undone = self.calm * 2 ** min(self.undone, 3), self.undone + 1
                 return self.workers, self.threads, "undo"

@@ -412,7 +412,8 @@ class AdaptiveRebalancer(L.Callback):
             CPU-worker threads while the step waits for its batches, and back once it no longer does.
         max_dataloader_workers: the most DataLoader workers per rank it gives (``None``: one per core).
         loading_jitter_s: a wait for data shorter than this (seconds per batch, above the training loop's
-            own work) is the loop's jitter, never a stall; raise it on a machine whose steps vary more.
+            own work) is the loop's jitter, never a stall, and a move of the cores that made the step
+            slower by less than this is not undone; raise it on a machine whose steps vary more.
         verbose: print every decision that changes the fraction or the split.
     """
 

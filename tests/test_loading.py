@@ -183,6 +183,17 @@ def test_a_move_that_made_the_step_slower_is_undone() -> None:
     assert out[4] == (1, 2, "hold")  # and not tried again at once
 
 
+def test_a_step_slower_by_less_than_the_loops_jitter_is_not_undone() -> None:
+    """A move is judged on one window's step: a difference within the loop's jitter (``least``,
+    ``AdaptiveRebalancer(loading_jitter_s=...)``) is noise, not a slower step."""
+    calm, stalled, eased, noisy = (0.050, 0.002), (0.090, 0.042), (0.050, 0.004), (0.058, 0.004)
+    for jitter, judged in [(0.012, "hold"), (0.005, "undo")]:
+        balancer = LoadBalancer(workers=0, threads=2, max_workers=1, least=jitter)
+        out = run_balancer(balancer, [calm, calm, stalled, stalled, eased, eased, eased, noisy])
+        assert out[3] == (1, 1, "stall") and out[6] == (0, 2, "recovered")
+        assert out[7][2] == judged  # 8 ms (16%) slower than the window before the move back
+
+
 def test_moves_that_keep_failing_are_tried_ever_more_rarely() -> None:
     balancer = LoadBalancer(workers=0, threads=2, max_workers=2)
     stalled, worse = (0.080, 0.030), (0.100, 0.030)
