@@ -59,7 +59,7 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
 from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessExitedException
 from typing_extensions import override
 
@@ -499,9 +499,10 @@ class _Script(_SubprocessScriptLauncher):
         self.in_call = True
         try:
             return function(*args, **kwargs)
-        except SIGTERMException:
-            # Every rank raises it at the same step (`signals.py`) and goes on to its `on_exception`
-            # hooks, in which a checkpoint needs them all: an orderly end, not a failure to stop.
+        except (SIGTERMException, _TunerExitException):
+            # Every rank raises it at the same step (`signals.py`; the tuner's callbacks, where they
+            # end the fit) and goes on to its `on_exception` hooks or its teardown, which need them
+            # all: an orderly end, not a failure to stop.
             raise
         except BaseException as error:
             first = recorded_failures(range(1, self._strategy.world_size))
@@ -649,10 +650,23 @@ class HeteroLauncher(_Launcher):
 
     def _check_tuner(self, trainer: "pl.Trainer") -> None:
         """``Tuner(trainer).lr_find`` and ``scale_batch_size`` end the fit in the processes, and the
-        tuner reads its result there: a process this one started (fork, spawn) keeps it."""
+        tuner reads its result there: a process this one started (fork, spawn) keeps it.
+
+        The batch size finder is refused, as Lightning refuses it for DDP: each process would try
+        batch sizes on its own (a GPU stage runs out of memory where a CPU worker does not, and the
+        processes' trials part ways), and it restores its start from a file only one process writes."""
+        finders = [c for c in trainer.callbacks if isinstance(c, BatchSizeFinder)]
+        if finders:
+            how = "`Tuner(trainer).scale_batch_size`" if finders[0]._early_exit else "The `BatchSizeFinder` callback"
+            raise ValueError(
+                f"{how} is not supported by the hetero strategy, as Lightning does not support it with DDP: each"
+                " process would scale the batch on its own, and one that runs out of memory (a GPU stage) would part"
+                " ways with the others. Find the batch size with a plain Trainer on one device (`Tuner(L.Trainer("
+                "accelerator='gpu', devices=1)).scale_batch_size(model, ...)`), then train with that batch size."
+            )
         if self.start_method == "popen":
             return
-        tuning = [c for c in trainer.callbacks if isinstance(c, (LearningRateFinder, BatchSizeFinder)) and c._early_exit]
+        tuning = [c for c in trainer.callbacks if isinstance(c, LearningRateFinder) and c._early_exit]
         if tuning:
             raise ValueError(
                 f"`Tuner(trainer)`'s {type(tuning[0]).__name__} runs in the processes the strategy starts, and with"

@@ -24,7 +24,8 @@ each process), then fits with a `WorkloadAnalyzer`: the layout stays as validati
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit; otherwise
 the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit (the other
 ranks also do with `--checkpoint-after-exit`). `--fail-before-fit LOCAL_RANK` makes that rank raise
-before it makes its Trainer.
+before it makes its Trainer. `--lr-find` runs `Tuner(trainer).lr_find` (`LR_FIND`) before fit, and
+every rank writes what it found to OUT_DIR/lr_find{N}.json.
 `--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
 step STEP, each at its own point of the step (`tests.conftest.SelfSignal`); each rank writes its
 global step after every batch to OUT_DIR/step{N}.txt; an `OnExceptionCheckpoint` writes OUT_DIR/on_exception.ckpt.
@@ -43,15 +44,22 @@ import warnings
 import sys
 from pathlib import Path
 
+import json
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.tuner import Tuner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hetero.callbacks import WorkloadAnalyzer  # noqa: E402
 from tests.conftest import Fault, OptimizerMemory, SelfSignal, hetero, trainer  # noqa: E402
 from tests.models import BatchNormNet, Net, TiedNet, regression_data  # noqa: E402
+
+
+LR_FIND = dict(num_training=6, early_stop_threshold=None, update_attr=False)
+"""The learning rate finder's arguments (``--lr-find``): a few steps, every one of them kept."""
 
 
 class WritePid(L.Callback):
@@ -79,6 +87,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
+    parser.add_argument("--lr-find", action="store_true", help="run Tuner(trainer).lr_find before fit")
     parser.add_argument("--signal", help="NAME:STEP[:RANK], e.g. SIGUSR1:5 (every rank) or SIGTERM:3:0")
     args = parser.parse_args()
     if args.fail_before_fit is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_before_fit:
@@ -116,6 +125,9 @@ def main() -> None:
     )
     if args.analyzer:
         t.validate(model, regression_data(n=20, seed=3), verbose=False)
+    if args.lr_find:
+        found = Tuner(t).lr_find(model, regression_data(n=44), **LR_FIND)
+        (args.out_dir / f"lr_find{t.global_rank}.json").write_text(json.dumps(found.results))
     t.fit(model, regression_data(n=44 if args.num_nodes == 1 else 48), ckpt_path="last" if args.resume else None)
     if args.resume and t.global_rank == 0:
         (args.out_dir / "restarts.txt").write_text(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

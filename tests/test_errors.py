@@ -17,7 +17,7 @@ from typing import Any, Optional
 from unittest import mock
 
 import lightning as L
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BatchSizeFinder, EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
@@ -285,6 +285,14 @@ CASES = {
     "tuner-in-forked-processes": Bad(
         lambda p: Tuner(trainer(hetero(), p)).lr_find(Net(), regression_data(), num_training=4),
         "`Tuner(trainer)`'s LearningRateFinder runs in the processes the strategy starts, and with `start_method='fork'`",
+    ),
+    "batch-size-finder-callback": Bad(
+        lambda p: trainer(hetero(), p, callbacks=[BatchSizeFinder(max_trials=2)]).fit(Net(), regression_data()),
+        "The `BatchSizeFinder` callback is not supported by the hetero strategy, as Lightning does not support it with DDP",
+    ),
+    "tuner-scale-batch-size": Bad(
+        lambda p: Tuner(trainer(hetero(start_method="popen"), p)).scale_batch_size(Net(), regression_data(), max_trials=2),
+        "`Tuner(trainer).scale_batch_size` is not supported by the hetero strategy",
     ),
     "zero-timeout": Bad(lambda _: HeteroStrategy(timeout=0), "`timeout=0`: how long a collective may wait must be positive"),
     "negative-timeout": Bad(lambda _: HeteroStrategy(timeout=timedelta(seconds=-5)), "must be positive"),

@@ -4,6 +4,7 @@ popen, torchrun, and SLURM's srun (simulated: one process per task with srun's e
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -168,6 +169,23 @@ def test_a_checkpoint_saved_after_fit_holds_the_whole_optimizer_state(tmp_path: 
     for position, state in expected.items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(saved[position][key].float(), state[key], rtol=1e-4, atol=1e-7), (position, key)
+
+
+def test_the_tuners_learning_rate_finder_under_popen(tmp_path: Path, reference: dict) -> None:
+    """`Tuner(trainer).lr_find` ends its fit in every process at once (an orderly end, not a failure
+    that stops the others): every rank finds what one process finds, and the fit after it in the same
+    processes starts from where the finder started, as in one process."""
+    from lightning.pytorch.tuner import Tuner
+
+    from tests.external_launch import LR_FIND
+
+    plain = Tuner(trainer(None, max_steps=8)).lr_find(Net(), regression_data(n=44), **LR_FIND).results
+    popen(tmp_path, "--lr-find")
+    for rank in range(3):
+        found = json.loads((tmp_path / f"lr_find{rank}.json").read_text())
+        assert found["lr"] == plain["lr"] and len(found["loss"]) == len(plain["loss"]) == LR_FIND["num_training"]
+        assert max(abs(a - b) for a, b in zip(found["loss"], plain["loss"])) < TOL
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
 
 
 def test_tied_weights_under_popen(tmp_path: Path) -> None:
