@@ -626,15 +626,27 @@ def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:
     state that this rank's updates never touched (a stage before the last, a CPU worker without a
     share) keeps the dtype torchmetrics made it in (float32; an empty list state becomes an empty
     float32 tensor), where the other ranks' updates made theirs float64 (``64-true``) or int64 (a
-    list of targets), and gloo cannot gather tensors of different sizes. Every rank gathers the
-    dtypes first, so every rank takes part in the same collectives."""
+    list of targets), and gloo cannot gather tensors of different sizes. Its shape is ``(0,)``
+    where the others' are ``(n, classes)`` (a multiclass metric's predictions): torchmetrics pads
+    tensors to one size, but not to one number of dimensions. Every rank gathers the dtypes and
+    shapes first, so every rank takes part in the same collectives, and an empty state takes the
+    others' dtype and the dimensions after their first."""
     local = tensor.cpu()
-    mine = torch.tensor([_DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1, local.numel()])
-    found = [(int(code), int(numel)) for code, numel in gather_all_tensors(mine, group)]
-    dtypes = [_DTYPES[code] for code, numel in found if numel and code >= 0]
-    if dtypes and -1 not in (code for code, _ in found):
+    shape = list(local.shape) if local.dim() <= _MOST_DIMS else []
+    code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
+    mine = torch.tensor([code, local.numel(), len(shape), *shape, *[0] * (_MOST_DIMS - len(shape))])
+    found = [(int(row[0]), int(row[1]), tuple(int(d) for d in row[3 : 3 + int(row[2])])) for row in gather_all_tensors(mine, group)]
+    dtypes = [_DTYPES[code] for code, numel, _ in found if numel and code >= 0]
+    if dtypes and -1 not in (code for code, _, _ in found):
         local = local.to(functools.reduce(torch.promote_types, dtypes))
+    trailing = {dims[1:] for _, numel, dims in found if numel and dims}
+    if not local.numel() and len(trailing) == 1:
+        local = local.reshape(0, *trailing.pop())
     return [t.to(tensor.device) for t in gather_all_tensors(local, group)]
+
+
+_MOST_DIMS = 8
+"""The most dimensions of a state whose shape ``_gather_on_cpu`` makes an empty state's."""
 
 
 _DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning_hetero.data import same_batches_on_every_rank
 
 from torchmetrics.aggregation import MaxMetric
+from torchmetrics.classification import MulticlassAUROC
 
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
@@ -96,6 +97,31 @@ def test_a_metric_that_some_ranks_never_update_syncs_with_the_others(cpu_fractio
     (plain,) = trainer(None).validate(MaxError(), regression_data(n=40, batch_size=8))
     (het,) = trainer(hetero(cpu_fraction=cpu_fraction)).validate(MaxError(), regression_data(n=40, batch_size=8))
     assert abs(plain["val_max_error"] - het["val_max_error"]) < TOL
+
+
+class RanksClasses(Classifier):
+    """Logs a metric whose states are lists of the batches' predictions, of shape (n, classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_auroc = MulticlassAUROC(num_classes=4, thresholds=None)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_auroc(self(x), y)
+        self.log("val_auroc", self.val_auroc)
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(cpu_fraction=0.0), dict(cpu_fraction=0.0, parallelism="replicas")], ids=["pipeline", "replicas"]
+)
+def test_a_list_state_metric_that_some_ranks_never_update_syncs_with_the_others(layout: dict) -> None:
+    """The ranks that never update it (the stage before the last, a CPU worker without a share) hold
+    its empty states of shape (0,), the others theirs of shape (n, 4)."""
+    data = lambda: classification_data(n=36)  # noqa: E731
+    (plain,) = trainer(None).validate(RanksClasses(), data())
+    (het,) = trainer(hetero(**layout)).validate(RanksClasses(), data())
+    assert abs(plain["val_auroc"] - het["val_auroc"]) < TOL
 
 
 class LogsItsLoadersBatchSize(Net):

@@ -205,27 +205,39 @@ def test_the_stages_send_one_way_ahead_of_the_cpu_workers(tmp_path: Path) -> Non
 
 def _sync_metrics(rank: int, world: int, tmp: Path) -> None:
     from torchmetrics.aggregation import MaxMetric
-    from torchmetrics.classification import BinaryAUROC
+    from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 
     from lightning_hetero.results import sync_metrics_over
 
     store = dist.FileStore(str(tmp / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    auroc, largest = BinaryAUROC(thresholds=None), MaxMetric()
-    sync_metrics_over(torch.nn.ModuleList([auroc, largest]), dist.group.WORLD)
-    if rank == 1:  # rank 0 updates neither: its list state is empty (float32), its max float32
+    auroc, largest, classes = BinaryAUROC(thresholds=None), MaxMetric(), MulticlassAUROC(num_classes=3, thresholds=None)
+    sync_metrics_over(torch.nn.ModuleList([auroc, largest, classes]), dist.group.WORLD)
+    if rank == 1:  # rank 0 updates none: its list states are empty (float32, shape (0,)), its max float32
         auroc.update(torch.tensor([0.1, 0.8, 0.6, 0.3]), torch.tensor([0, 1, 1, 0]))
         largest.update(torch.tensor([0.5, 2.5], dtype=torch.float64))
-    values = (float(auroc.compute()), float(largest.compute()))
+        classes.update(*_three_classes())  # predictions of shape (4, 3)
+    values = (float(auroc.compute()), float(largest.compute()), float(classes.compute()))
     (tmp / f"rank{rank}.pkl").write_bytes(pickle.dumps(values))
     dist.destroy_process_group()
 
 
-def test_metrics_sync_whatever_dtype_each_rank_holds(tmp_path: Path) -> None:
-    """A rank that never updated a metric holds its states as torchmetrics made them; the others'
-    updates made them int64 (targets) and float64: every rank still computes the same value."""
+def _three_classes() -> tuple[torch.Tensor, torch.Tensor]:
+    preds = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.5, 0.4], [0.3, 0.3, 0.4], [0.2, 0.6, 0.2]], dtype=torch.float64)
+    return preds, torch.tensor([0, 2, 2, 1])
+
+
+def test_metrics_sync_whatever_dtype_and_shape_each_rank_holds(tmp_path: Path) -> None:
+    """A rank that never updated a metric holds its states as torchmetrics made them (float32, an
+    empty list state of shape (0,)); the others' updates made them int64 (targets), float64, and of
+    shape (n, classes): every rank still computes the value of one process."""
+    from torchmetrics.classification import MulticlassAUROC
+
+    one = MulticlassAUROC(num_classes=3, thresholds=None)
+    one.update(*_three_classes())
+    expected = (1.0, 2.5, float(one.compute()))
     mp.start_processes(_sync_metrics, args=(2, tmp_path), nprocs=2, start_method="fork")
-    assert [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)] == [(1.0, 2.5)] * 2
+    assert [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)] == [expected] * 2
 
 
 def test_predictions_of_the_shares_join_into_the_batchs() -> None:
