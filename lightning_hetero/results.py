@@ -429,12 +429,17 @@ def combine_loss(reports: list[WorkerReport]) -> tuple[float, torch.dtype | None
 
 
 def combine_logs(reports: list[WorkerReport]) -> list[LoggedValue]:
-    """One value per logged name, in the order names first appear (ranks in order)."""
-    by_name: dict[str, list[LoggedValue]] = {}
+    """One value per ``self.log`` call of the step method, the workers' calls combined: each
+    worker's first call of a name with the others' first, its second with their second (logged
+    again in that order, the last is the step's value and every one counts toward the epoch's, as
+    in one process), in the order they first appear (ranks in order)."""
+    by_call: dict[tuple[str, int], list[LoggedValue]] = {}
     for report in reports:
+        calls: dict[str, int] = {}
         for item in report.logs:
-            by_name.setdefault(item.name, []).append(item)
-    return [_combine(name, items) for name, items in by_name.items()]
+            nth = calls[item.name] = calls.get(item.name, -1) + 1
+            by_call.setdefault((item.name, nth), []).append(item)
+    return [_combine(name, items) for (name, _), items in by_call.items()]
 
 
 def _combine(name: str, items: list[LoggedValue]) -> LoggedValue:

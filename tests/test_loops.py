@@ -124,6 +124,34 @@ def test_a_list_state_metric_that_some_ranks_never_update_syncs_with_the_others(
     assert abs(plain["val_auroc"] - het["val_auroc"]) < TOL
 
 
+class LogsANameTwice(Net):
+    """Logs one name twice in a step, as a step method that logs a part of its loss, then the whole."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("part", loss, on_step=True, on_epoch=True)
+        self.log("part", 2 * loss, on_step=True, on_epoch=True)
+        self.log("seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)  # the batch's, summed over the shares
+        self.log("seen", 2.0 * len(y), reduce_fx="sum", on_step=True, on_epoch=False)
+        return loss
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.4, 1.0])
+def test_a_name_logged_twice_in_a_step_is_its_last_call_and_both_count_toward_the_epoch(
+    tmp_path: Path, cpu_fraction: float
+) -> None:
+    """As in one process: the step's value is the last call's, and the epoch's mean weighs every call."""
+    rows = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=cpu_fraction))):
+        trainer(strategy, tmp_path / name, max_epochs=2).fit(LogsANameTwice(), regression_data())
+        rows[name] = read_metrics(tmp_path / name)
+    for key in ("part_step", "part_epoch", "seen"):
+        plain, het = column(rows["plain"], key), column(rows["hetero"], key)
+        assert plain and [s for s, _ in plain] == [s for s, _ in het], key
+        assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
+
+
 class LogsItsLoadersBatchSize(Net):
     """Logs with a fixed `batch_size`, each validation loader's own, as one process would pass for every batch."""
 
