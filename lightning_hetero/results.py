@@ -619,11 +619,18 @@ def _describe(value: Any) -> str:
 
 def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
     """Sync every torchmetrics ``Metric`` of the module over ``group`` (gloo), through CPU copies:
-    a metric's state may sit on a GPU stage on one rank and on the CPU on another."""
+    a metric's state may sit on a GPU stage on one rank and on the CPU on another.
+
+    A metric made with ``dist_sync_on_step=True`` syncs in ``compute`` only, as the others: its step
+    value, logged as an object, is the whole batch's already (the workers' batch states merged,
+    ``relog``), as that option gives it under DDP. Its sync in ``forward`` would be a collective in
+    the step method, which the processes without a share of the batch (a stage before the last)
+    never run."""
     for metric in module.modules():
         if isinstance(metric, Metric):
             metric.process_group = group
             metric.dist_sync_fn = _gather_on_cpu
+            metric.dist_sync_on_step = False
 
 
 def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:

@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning_hetero.data import same_batches_on_every_rank
 
 from torchmetrics.aggregation import MaxMetric
-from torchmetrics.classification import MulticlassAUROC
+from torchmetrics.classification import MulticlassAUROC, MulticlassF1Score
 
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import (
@@ -147,6 +147,38 @@ def test_a_name_logged_twice_in_a_step_is_its_last_call_and_both_count_toward_th
         trainer(strategy, tmp_path / name, max_epochs=2).fit(LogsANameTwice(), regression_data())
         rows[name] = read_metrics(tmp_path / name)
     for key in ("part_step", "part_epoch", "seen"):
+        plain, het = column(rows["plain"], key), column(rows["hetero"], key)
+        assert plain and [s for s, _ in plain] == [s for s, _ in het], key
+        assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
+
+
+class SyncsOnStep(Classifier):
+    """A metric made to sync at every step, as under DDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f1 = MulticlassF1Score(num_classes=4, average="macro", dist_sync_on_step=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        self.f1(out, y)
+        self.log("f1", self.f1, on_step=True, on_epoch=True)
+        return self.pipeline_loss(out, y)
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(cpu_fraction=0.4), dict(cpu_fraction=0.0, parallelism="replicas")], ids=["pipeline", "replicas"]
+)
+def test_a_metric_that_syncs_on_step_logs_the_whole_batchs_value(tmp_path: Path, layout: dict) -> None:
+    """Its step value is the whole batch's, as `dist_sync_on_step` gives it under DDP (its sync in
+    `forward`, a collective in the step method that a stage before the last never runs, waited out
+    the timeout)."""
+    rows = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(**layout))):
+        trainer(strategy, tmp_path / name, max_epochs=2).fit(SyncsOnStep(), classification_data())
+        rows[name] = read_metrics(tmp_path / name)
+    for key in ("f1_step", "f1_epoch"):
         plain, het = column(rows["plain"], key), column(rows["hetero"], key)
         assert plain and [s for s, _ in plain] == [s for s, _ in het], key
         assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
