@@ -306,11 +306,14 @@ def _unfused_where_momentum_is_partial(optimizer: Optimizer) -> Iterator[None]:
 
 
 def _cpu_optimizer(optimizer: Optimizer, groups: list[dict]) -> Optimizer:
-    """The user's optimizer class over CPU tensors, with torch's fused CPU kernel where it has one."""
+    """The user's optimizer class over CPU tensors, with torch's fused CPU kernel where it has one
+    and steps as the user's optimizer does: not where a hyperparameter is a tensor (a learning rate
+    ``torch.tensor(0.01)``), which the fused kernel applies in another precision."""
     defaults = _constructor_defaults(optimizer)
     for flag in ("fused", "foreach", "capturable"):
         defaults.pop(flag, None)
-    if "fused" in inspect.signature(type(optimizer).__init__).parameters:
+    tensors = any(isinstance(v, Tensor) for group in optimizer.param_groups for k, v in group.items() if k != "params")
+    if "fused" in inspect.signature(type(optimizer).__init__).parameters and not tensors:
         defaults["fused"] = True
     return _of_the_users_kind(optimizer, groups, defaults)
 

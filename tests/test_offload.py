@@ -21,12 +21,13 @@ def grads(step: int, like: list[nn.Parameter]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("host_copies", [False, True])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "tensor-lr"])
 def test_offloaded_step_is_the_users_optimizer(host_copies: bool, kind: str) -> None:
     def make(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
         if kind == "sgd":
             return torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)
-        return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=0.01)
+        lr = torch.tensor(0.01) if kind == "tensor-lr" else 0.01  # torch's fused kernel applies a tensor in float32
+        return torch.optim.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=lr)
 
     reference, mine = params(), params()
     ref_opt, user = make(reference), make(mine)
