@@ -66,6 +66,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
+from lightning_hetero.module import check_fine_clipping
 from lightning_hetero.signals import pass_on
 from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, recorded_failures
 
@@ -635,6 +636,8 @@ class HeteroLauncher(_Launcher):
                     " pipeline a stage holds only its own layers while training (the others' exist on the meta device"
                     " there). Train the model as replicas (`parallelism='replicas'`), where it works, or leave it out."
                 )
+            if self._strategy.mode == "fine":
+                check_fine_clipping(model)
             check_before_launch(trainer, model, args, pairs=pipeline)
             self._check_tuner(trainer)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)

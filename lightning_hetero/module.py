@@ -365,6 +365,17 @@ def tied_parameters(
     return list(tied.items())
 
 
+def check_fine_clipping(model: Any) -> None:
+    """Fine mode clips each bucket as its gradients complete: a ``configure_gradient_clipping``
+    override is refused (before any process starts, and in each process for a model built there)."""
+    if is_overridden("configure_gradient_clipping", model):
+        raise ValueError(
+            f"`{type(model).__name__}` overrides `configure_gradient_clipping`, which fine mode cannot call: it"
+            " clips each bucket as its gradients complete. Use the Trainer's `gradient_clip_val` and"
+            " `gradient_clip_algorithm`, or `mode='coarse'`."
+        )
+
+
 def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> None:
     """The optimizers ``configure_optimizers`` gave, for the hetero strategy in ``mode``; raise a
     clear error where they cannot train (found in each process, at setup). State made in their
@@ -381,12 +392,7 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
             del optimizer.state[param]
     if mode != "fine":
         return
-    if is_overridden("configure_gradient_clipping", model):
-        raise ValueError(
-            f"`{type(model).__name__}` overrides `configure_gradient_clipping`, which fine mode cannot call: it"
-            " clips each bucket as its gradients complete. Use the Trainer's `gradient_clip_val` and"
-            " `gradient_clip_algorithm`, or `mode='coarse'`."
-        )
+    check_fine_clipping(model)
     if len(optimizers) != 1:
         raise ValueError(f"Fine mode steps one optimizer bucket by bucket; `configure_optimizers` gave {len(optimizers)}.")
     unfollowed = [f"`{hook}` {what}" for hook, what in _FINE_MODE_HOOKS.items() if is_overridden(hook, model)]
