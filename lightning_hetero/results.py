@@ -647,7 +647,8 @@ def _gather_on_cpu(tensor: Tensor, group: Any = None) -> list[Tensor]:
     shape = list(local.shape) if local.dim() <= _MOST_DIMS else []
     code = _DTYPES.index(local.dtype) if local.dtype in _DTYPES else -1
     mine = torch.tensor([code, local.numel(), len(shape), *shape, *[0] * (_MOST_DIMS - len(shape))])
-    found = [(int(row[0]), int(row[1]), tuple(int(d) for d in row[3 : 3 + int(row[2])])) for row in gather_all_tensors(mine, group)]
+    rows = gather_all_tensors(mine, group)
+    found = [(int(row[0]), int(row[1]), tuple(int(d) for d in row[3 : 3 + int(row[2])])) for row in rows]
     dtypes = [_DTYPES[code] for code, numel, _ in found if numel and code >= 0]
     if dtypes and -1 not in (code for code, _, _ in found):
         local = local.to(functools.reduce(torch.promote_types, dtypes))
