@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,8 @@ class LogsANameTwice(Net):
         loss = self.pipeline_loss(self(x), y)
         self.log("part", loss, on_step=True, on_epoch=True)
         self.log("part", 2 * loss, on_step=True, on_epoch=True)
-        self.log("seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)  # the batch's, summed over the shares
+        # The batch's sample count, summed over the shares.
+        self.log("seen", float(len(y)), reduce_fx="sum", on_step=True, on_epoch=False)
         self.log("seen", 2.0 * len(y), reduce_fx="sum", on_step=True, on_epoch=False)
         return loss
 
@@ -142,29 +145,8 @@ def test_a_name_logged_twice_in_a_step_is_its_last_call_and_both_count_toward_th
     tmp_path: Path, cpu_fraction: float
 ) -> None:
     """As in one process: the step's value is the last call's, and the epoch's mean weighs every call."""
-    rows = {}
-    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=cpu_fraction))):
-        trainer(strategy, tmp_path / name, max_epochs=2).fit(LogsANameTwice(), regression_data())
-        rows[name] = read_metrics(tmp_path / name)
-    for key in ("part_step", "part_epoch", "seen"):
-        plain, het = column(rows["plain"], key), column(rows["hetero"], key)
-        assert plain and [s for s, _ in plain] == [s for s, _ in het], key
-        assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
-
-
-class SyncsOnStep(Classifier):
-    """A metric made to sync at every step, as under DDP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.f1 = MulticlassF1Score(num_classes=4, average="macro", dist_sync_on_step=True)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        out = self(x)
-        self.f1(out, y)
-        self.log("f1", self.f1, on_step=True, on_epoch=True)
-        return self.pipeline_loss(out, y)
+    keys = ["part_step", "part_epoch", "seen"]
+    assert_logged_as_in_one_process(tmp_path, hetero(cpu_fraction=cpu_fraction), LogsANameTwice, regression_data, keys)
 
 
 @pytest.mark.parametrize(
@@ -174,11 +156,21 @@ def test_a_metric_that_syncs_on_step_logs_the_whole_batchs_value(tmp_path: Path,
     """Its step value is the whole batch's, as `dist_sync_on_step` gives it under DDP (its sync in
     `forward`, a collective in the step method that a stage before the last never runs, waited out
     the timeout)."""
+    syncs_on_step = functools.partial(MacroF1, dist_sync_on_step=True)
+    keys = ["train_f1_step", "train_f1_epoch"]
+    assert_logged_as_in_one_process(tmp_path, hetero(**layout), syncs_on_step, classification_data, keys)
+
+
+def assert_logged_as_in_one_process(
+    tmp_path: Path, strategy: Any, model: Callable[[], L.LightningModule], data: Callable[[], Any], keys: list[str]
+) -> None:
+    """Two epochs of ``model()`` on ``data()``, plain and under ``strategy``: each of ``keys`` is
+    logged at the same steps with the same values."""
     rows = {}
-    for name, strategy in (("plain", None), ("hetero", hetero(**layout))):
-        trainer(strategy, tmp_path / name, max_epochs=2).fit(SyncsOnStep(), classification_data())
+    for name, used in (("plain", None), ("hetero", strategy)):
+        trainer(used, tmp_path / name, max_epochs=2).fit(model(), data())
         rows[name] = read_metrics(tmp_path / name)
-    for key in ("f1_step", "f1_epoch"):
+    for key in keys:
         plain, het = column(rows["plain"], key), column(rows["hetero"], key)
         assert plain and [s for s, _ in plain] == [s for s, _ in het], key
         assert max(abs(a - b) for (_, a), (_, b) in zip(plain, het)) < TOL, key
@@ -369,13 +361,12 @@ def test_a_rank_without_a_share_does_not_warn_of_a_metric_it_did_not_update(tmp_
 
 
 class MacroF1(Classifier):
-    """Logs a metric that is not an average over samples (macro F1) at every step."""
+    """Logs a metric that is not an average over samples (macro F1) at every step; with
+    ``dist_sync_on_step``, one made to sync at every step, as under DDP."""
 
-    def __init__(self) -> None:
+    def __init__(self, dist_sync_on_step: bool = False) -> None:
         super().__init__()
-        from torchmetrics.classification import MulticlassF1Score
-
-        self.train_f1 = MulticlassF1Score(num_classes=4, average="macro")
+        self.train_f1 = MulticlassF1Score(num_classes=4, average="macro", dist_sync_on_step=dist_sync_on_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
