@@ -73,7 +73,7 @@ from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, 
 if TYPE_CHECKING:
     from lightning_hetero.strategy import HeteroStrategy
 
-__all__ = ["HeteroLauncher", "GRACE_S", "resolve_start_method"]
+__all__ = ["HeteroLauncher", "GRACE_S", "resolve_start_method", "started_other_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -474,14 +474,27 @@ def describe_exit(code: int) -> str:
     return f"was killed by {name}{hint.get(name, '')}"
 
 
+_STARTED: list[subprocess.Popen] = []
+"""The processes this one started for the other local ranks (popen), local ranks 1, 2, ...: every
+later trainer call runs in them, a new Trainer's included (the script runs it in each of them)."""
+
+
+def started_other_ranks() -> bool:
+    """Whether this process started the other local ranks' processes (popen) at an earlier trainer call."""
+    return bool(_STARTED)
+
+
 class _Script(_SubprocessScriptLauncher):
     """Lightning's popen launch, with a watch on the other ranks' processes (``_ChildWatch``):
     when one fails, the others are stopped, so this process's collectives fail at once and its
-    error names the rank that failed. (Lightning's own observer kills this process too, silently.)"""
+    error names the rank that failed. (Lightning's own observer kills this process too, silently.)
+    The processes are this process's, not one launcher's (``_STARTED``): a new Trainer's call
+    watches the ones the first call started."""
 
     def __init__(self, strategy: "HeteroStrategy") -> None:
         assert strategy.cluster_environment is not None
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self.procs = list(_STARTED)
         self._strategy = strategy
         self.in_call = False
 
@@ -495,6 +508,7 @@ class _Script(_SubprocessScriptLauncher):
             os.environ[READY_DIR_ENV] = tempfile.mkdtemp(prefix="hetero-ready-")  # the children inherit it
             atexit.register(shutil.rmtree, os.environ[READY_DIR_ENV], ignore_errors=True)
             self._call_children_scripts()
+            _STARTED[:] = self.procs
         watch = _ChildWatch(self.procs, self._strategy)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         self.in_call = True

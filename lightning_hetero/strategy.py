@@ -51,7 +51,7 @@ from lightning_hetero.data import loader_batch_size, same_batches_on_every_rank,
 from lightning_hetero.devices import keep_freed_memory, leave_cuda_rng_alone
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy, check_policy
-from lightning_hetero.launcher import HeteroLauncher, resolve_start_method
+from lightning_hetero.launcher import HeteroLauncher, resolve_start_method, started_other_ranks
 from lightning_hetero.layout import Planner, RunLayout
 from lightning_hetero.loading import LoaderPolicy, check_loader_policy, tunable
 from lightning_hetero.mesh import LocalMesh
@@ -273,6 +273,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = HeteroLauncher(self, start_method=self._start_method)
+            return
+        if started_other_ranks():  # by popen, for an earlier Trainer: this one's calls run in them too, watched
+            self._launcher = HeteroLauncher(self, start_method="popen")
             return
         # Started from outside (`LOCAL_RANK` is set): a launcher's `WORLD_SIZE` must fit the layout,
         # else this process would wait for processes that never come.

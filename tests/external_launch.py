@@ -23,7 +23,8 @@ restart count to OUT_DIR/restarts.txt. `--analyzer` validates first (which lays 
 each process), then fits with a `WorkloadAnalyzer`: the layout stays as validation laid it out.
 `--exit-after-fit RANK` makes that global rank leave the script (code 3) right after fit; otherwise
 the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right after fit (the other
-ranks also do with `--checkpoint-after-exit`). `--fail-before-fit LOCAL_RANK` makes that rank raise
+ranks also do with `--checkpoint-after-exit`); `--new-trainer` validates and predicts after fit with a new Trainer and
+strategy, made as the first ones were. `--fail-before-fit LOCAL_RANK` makes that rank raise
 before it makes its Trainer. `--lr-find` runs `Tuner(trainer).lr_find` (`LR_FIND`) before fit, and
 every rank writes what it found to OUT_DIR/lr_find{N}.json.
 `--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
     parser.add_argument("--fail-before-fit", type=int, help="this local rank raises before the Trainer is made")
     parser.add_argument("--checkpoint-after-exit", action="store_true", help="the others save a checkpoint anyway")
+    parser.add_argument("--new-trainer", action="store_true", help="validate and predict with a new Trainer after fit")
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
@@ -135,6 +137,8 @@ def main() -> None:
         sys.exit(3)
     if args.exit_after_fit is None or args.checkpoint_after_exit:  # every rank takes part in writing a checkpoint
         t.save_checkpoint(args.out_dir / "after_fit.ckpt")  # the whole optimizer state, as a plain fit leaves it
+    if args.new_trainer:  # the calls after fit through a new Trainer and strategy, made as the first ones were
+        t = trainer(hetero(cpu_fraction=0.5, start_method=start_method, **layout), max_steps=8)
     # Code after fit reads the whole trained model on every rank, as under DDP.
     held = {k: v.clone() for k, v in model.state_dict().items()}
     inputs = regression_data(n=5, seed=5).dataset.tensors[0].to(next(model.parameters()).dtype)

@@ -292,6 +292,26 @@ def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Pa
     assert time.perf_counter() - started < TIMEOUT
 
 
+def test_a_new_trainer_after_fit_runs_in_the_same_processes(tmp_path: Path, reference: dict) -> None:
+    """popen: a new Trainer and strategy after fit validate and predict in the processes the fit ran in."""
+    popen(tmp_path, "--new-trainer")
+    assert max_param_diff(reference, torch.load(tmp_path / "state.pt")) < TOL
+    assert (tmp_path / "predicted.txt").read_text() == "25"
+    assert_every_rank_holds_the_model(tmp_path, ranks=3)
+
+
+def test_a_rank_gone_after_fit_is_reported_at_a_new_trainers_first_call(tmp_path: Path) -> None:
+    """popen: the calls after fit may come through a new Trainer and strategy, which run in the same
+    processes; a rank that left the script fails that Trainer's first call at its start, named, as
+    it fails the same Trainer's next call."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", "--exit-after-fit=2", "--new-trainer"]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "since the previous one global rank 2 (stage1" in done.stderr and "exited with code 3." in done.stderr
+    assert time.perf_counter() - started < TIMEOUT
+
+
 def test_a_rank_that_fails_before_joining_ends_the_run_at_once(tmp_path: Path) -> None:
     """popen: a rank whose script fails before `fit` (a file only it lacks) ends the run as soon as it
     exits, named, instead of leaving rank 0 in torch's rendezvous until the timeout."""
