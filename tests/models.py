@@ -543,15 +543,19 @@ class Multimodal(MultimodalModule, L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def multimodal_data(n: int = 48, batch_size: int = 12, text_only_from: int | None = None) -> DataLoader:
+def multimodal_data(
+    n: int = 48, batch_size: int = 12, text_only_from: int | None = None, text_from: int | None = None
+) -> DataLoader:
     """Samples with an image, a text or both (about a third each); from sample ``text_only_from`` on,
-    none has an image."""
+    none has an image; before sample ``text_from``, none has a text."""
     g = torch.Generator().manual_seed(3)
     images, tokens = torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 30, (n, 5), generator=g)
     kind = torch.randint(0, 3, (n,), generator=g)
     has_image, has_text = kind != 1, kind != 0
     if text_only_from is not None:
         has_image[text_only_from:], has_text[text_only_from:] = False, True
+    if text_from is not None:
+        has_image[:text_from], has_text[:text_from] = True, False
     y = torch.randn(n, generator=g, dtype=torch.float64)
     items = [
         {"image": images[i], "tokens": tokens[i], "has_image": has_image[i], "has_text": has_text[i], "y": y[i]}

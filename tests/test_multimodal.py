@@ -194,6 +194,19 @@ def test_the_analyzer_places_the_encoders_where_its_measurements_say(tmp_path: P
     assert f"HeteroStrategy(encoders={expected.placement})" in printed and "device0 12" in printed
 
 
+def test_the_analyzer_times_an_encoder_the_first_batch_does_not_use(tmp_path: Path) -> None:
+    """No sample of the first batch has a text: the analyzer times the encoders on a later batch that
+    carries both modalities, so the text encoder is timed on every process and can be placed."""
+    from lightning_hetero.callbacks import WorkloadAnalyzer
+    from lightning_hetero.encoder_planner import EncoderProfile
+
+    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1, save_dir=str(tmp_path / "plans"))
+    same_run(tmp_path, hetero(cpu_fraction=0.3), partial(multimodal_data, text_from=12), callbacks=[analyzer])
+    profile = EncoderProfile.load(tmp_path / "plans" / "encoders.json")
+    assert all(set(t.forward) == {"image", "text"} and t.forward["text"] > 0 for t in profile.places.values())
+    assert 0 < profile.carrying["text"] < 1
+
+
 def test_the_monitor_shows_each_encoders_time_and_the_waits_it_caused(tmp_path: Path) -> None:
     """With the images encoded on the first device for everyone: its time on them is logged and drawn in
     the trace, and so is the others' wait for them; a wait is no compute."""

@@ -720,13 +720,17 @@ def _encoder_layers(module: nn.Module, placement: Mapping[str, str], layers: Seq
 
 
 def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: int, mix_batches: int = 8) -> EncoderProfile:
-    """A multimodal model's encoders and the rest of its step timed on every rank, one at a time, on
-    the first training batch (``profiling.time_encoders``), and the link between ranks; the mix of
-    modalities from the first ``mix_batches`` batches; the same ``EncoderProfile`` on every rank
-    (collective)."""
+    """A multimodal model's encoders and the rest of its step timed on every rank, one at a time
+    (``profiling.time_encoders``), on the first of the first ``mix_batches`` training batches that
+    carries the most modalities (a first batch without one would leave its encoder untimed, and
+    unplaced), and the link between ranks; the mix of modalities from those batches; the same
+    ``EncoderProfile`` on every rank (collective)."""
     module = trainer.lightning_module
     loader = training_loader(trainer)
-    batch = strategy.precision_plugin.convert_input(next(iter(loader)))
+    batches = peek_batches(loader, mix_batches) or [next(iter(loader))]  # the same batches on every rank
+    mixes = [carrying(module, b) for b in batches]
+    richest = max(range(len(batches)), key=lambda i: sum(share > 0 for share in mixes[i].values()))
+    batch = strategy.precision_plugin.convert_input(batches[richest])
     control = strategy.process_groups.control  # type: ignore[union-attr]
     role = strategy.role
     place = f"cpu{role.index}" if role.is_cpu_worker else f"device{role.index}"
@@ -741,7 +745,6 @@ def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: in
         assert parts is not None
         profile = EncoderProfile(batch_size_of(batch), {}, parts[0][2])
         # The mix of modalities from more than one batch: a single batch's can be far from the data's.
-        mixes = [carrying(module, b) for b in peek_batches(loader, mix_batches)] or [carrying(module, batch)]
         mix = {m: statistics.mean(found[m] for found in mixes) for m in mixes[0]}
         for name, timed, _ in parts:
             profile.places.setdefault(name, replace(timed, carrying=mix))  # the first node's
