@@ -12,6 +12,8 @@ Every run follows a plan: ``HeteroStrategy``'s layout arguments are turned into 
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -166,8 +168,8 @@ class HeteroPlan:
             raise ValueError(f"Plan: `offload={self.offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices (integers >= 0).")
         if self.offload not in ("auto", "none", []) and self.mode != "fine":
             raise ValueError("Plan: offloaded buckets need `mode: fine`.")
-        if self.bucket_size_mb <= 0:
-            raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be positive.")
+        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
+            raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be a positive number of megabytes.")
         if self.dataloader_workers is not None and self.dataloader_workers < 0:
             raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
         self.encoders = check_placement(self.encoders)
@@ -295,7 +297,7 @@ class HeteroPlan:
         if mode not in ("coarse", "fine"):
             raise ValueError(f"`mode={mode!r}` is not a hetero mode; use 'coarse' or 'fine'.")
         check_offload(offload, mode)
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb <= 0:
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not 0 < bucket_size_mb < math.inf:
             raise ValueError(f"`bucket_size_mb={bucket_size_mb!r}` must be a positive number of megabytes.")
         cpu_workers, cpu_cores = _cpu_workers(cpu_workers)
         for name, value in (("shard_cpu_optimizer", shard_cpu_optimizer), ("shard_across_nodes", shard_across_nodes)):
@@ -339,12 +341,19 @@ class HeteroPlan:
         """Read a plan from YAML; unknown keys, wrong types and impossible values are errors that name the file."""
         try:
             loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig) or not loaded:
+                raise ValueError(
+                    "it holds no plan. A plan is a mapping of its fields (`stages: [...]`, `cpu_fraction: ...`), as"
+                    " `HeteroPlan.save` and the workload analyzer write it."
+                )
             if isinstance(loaded, DictConfig) and "shard_offloaded" in loaded:
                 rank_zero_warn(f"Plan file {path}: `shard_offloaded` is now `shard_cpu_optimizer`; read as such.")
                 loaded["shard_cpu_optimizer"] = loaded.pop("shard_offloaded")
             config = OmegaConf.merge(OmegaConf.structured(cls), loaded)
             return OmegaConf.to_object(config)  # type: ignore[return-value]
-        except (OmegaConfBaseException, ValueError) as error:
+        except FileNotFoundError:
+            raise
+        except (OmegaConfBaseException, ValueError, OSError) as error:  # OSError: a YAML value that is not a mapping
             raise ValueError(f"Plan file {path}: {error}") from None
 
     def as_dict(self) -> dict[str, Any]:
@@ -368,6 +377,8 @@ def layout_plan(
     from its default in ``defaults`` is given)."""
     if plan is None:
         return HeteroPlan.from_arguments(**arguments)
+    if not isinstance(plan, (HeteroPlan, str, Path)):
+        raise ValueError(f"`plan={plan!r}` must be a HeteroPlan or the path of a plan file (plan.yaml).")
     loaded = HeteroPlan.load(plan) if not isinstance(plan, HeteroPlan) else plan
     given = sorted(name for name, value in arguments.items() if value != defaults[name])
     if given:

@@ -1362,6 +1362,8 @@ def _number(kind: type, least: float, above: bool = False, most: Optional[float]
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, not {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
         if value < least or (above and value == least) or (most is not None and value > most):
             bound = f"more than {least}" if above else f"at least {least}"
             raise argparse.ArgumentTypeError(f"must be {bound}{f' and at most {most}' if most is not None else ''}, not {text}")

@@ -289,6 +289,9 @@ def test_command_line_planner_sizes_a_hypothetical_machine(tmp_path: Path, capsy
         ("--batch-size", "0", "argument --batch-size: must be at least 1, not 0"),
         ("--cpu-fraction", "1.5", "argument --cpu-fraction: must be at least 0 and at most 1, not 1.5"),
         ("--max-micro-batches", "two", "argument --max-micro-batches: must be an integer, not 'two'"),
+        ("--gpu-speed", "nan", "argument --gpu-speed: must be a finite number, not nan"),
+        ("--cpu-fraction", "nan", "argument --cpu-fraction: must be a finite number, not nan"),
+        ("--sync-gbps", "inf", "argument --sync-gbps: must be a finite number, not inf"),
     ]:
         with pytest.raises(SystemExit):
             planner_main([str(profile), option, value])

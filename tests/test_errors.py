@@ -243,6 +243,11 @@ def plan_file(directory: Path, **changes: Any) -> Path:
     return path
 
 
+def written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def from_plan(directory: Path, **changes: Any) -> HeteroStrategy:
     return HeteroStrategy(plan=plan_file(directory, **changes), start_method="fork", timeout=20)
 
@@ -346,6 +351,14 @@ CASES = {
         "plan.yaml cannot run on this machine: Stage device 'cuda:0' is a GPU, but CUDA is not available",
     ),
     "plan-unknown-key": Bad(lambda p: from_plan(p, pipeline_depth=2), "plan.yaml: Key 'pipeline_depth' not in 'HeteroPlan'"),
+    "plan-bucket-size-nan": Bad(lambda p: from_plan(p, bucket_size_mb=float("nan")), "plan.yaml: Plan: `bucket_size_mb=nan` must be a"),
+    "plan-file-of-a-list": Bad(
+        lambda p: HeteroStrategy(plan=written(p / "plan.yaml", "- cpu\n- cpu\n")), "plan.yaml: it holds no plan. A plan is a mapping"
+    ),
+    "plan-file-empty": Bad(lambda p: HeteroStrategy(plan=written(p / "plan.yaml", "")), "plan.yaml: it holds no plan"),
+    "plan-file-of-a-number": Bad(lambda p: HeteroStrategy(plan=written(p / "plan.yaml", "5\n")), "plan.yaml: Invalid loaded object"),
+    "plan-of-a-number": Bad(lambda _: HeteroStrategy(plan=5), "`plan=5` must be a HeteroPlan or the path of a plan file"),
+    "bucket-size-inf": Bad(lambda _: HeteroStrategy(bucket_size_mb=float("inf")), "`bucket_size_mb=inf` must be a positive number"),
     # The Trainer's flags, and the model's way of training.
     "precision-16-mixed": Bad(
         lambda _: L.Trainer(strategy="hetero", precision="16-mixed", accelerator="hetero"),
