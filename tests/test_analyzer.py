@@ -184,6 +184,14 @@ def test_the_replicas_best_layout_is_weighed_beside_the_pipeline_and_replays(tmp
     replicas = HeteroPlan.load(logs / "plan_replicas.yaml")
     assert (replicas.parallelism, replicas.stages, replicas.micro_batches) == ("replicas", ["cpu", "cpu"], 1)
     assert replicas.predicted_step_s is not None and replicas.predicted_step_s > 0
+    # Once measured, both layouts are predicted again with the warm-up's measurements, and compared so.
+    from lightning_hetero.planner import Machine, predict_plan
+
+    profile, plan = Profile.load(logs / "profile.json"), HeteroPlan.load(logs / "plan.yaml")
+    machine = Machine.as_profiled(profile, ["cpu", "cpu"], 1)
+    machine.cpu_threads = plan.cpu_threads
+    ours, theirs = predict_plan(profile, machine, plan).step_s, predict_plan(profile, machine, replicas).step_s
+    assert f"predicted step {theirs * 1e3:.2f} ms, {theirs / ours:.2f}x this plan's" in explained
     plain = _net()
     trainer(None, max_steps=8).fit(plain, regression_data())
     replayed = _net()

@@ -628,6 +628,9 @@ class WorkloadAnalyzer(L.Callback):
                 self.profile.devices[name].optimizer_s_per_param = rate
         weighed = self.prediction.considered  # as planned, from the profile alone
         self.prediction = replace(predict_plan(self.profile, machine, self.plan), considered=weighed)
+        if self.alternative is not None:  # weighed beside the plan with the same measurements (explain.txt)
+            other = self.alternative[0]
+            self.alternative = (other, predict_plan(self.profile, machine, other))
         directory = self._directory(trainer)
         if trainer.is_global_zero:
             self.profile.save(directory / "profile.json")
