@@ -522,10 +522,18 @@ class _Script(_SubprocessScriptLauncher):
         except BaseException as error:
             first = recorded_failures(range(1, self._strategy.world_size))
             watch.stop()
-            if first and not isinstance(error, RanksGone):
+            if isinstance(error, RanksGone):  # it names them
+                raise
+            # A process killed by a signal records no error: the first error recorded may be another
+            # rank's answer to its death, so the deaths come first (`failures`), and that error after them.
+            signalled = watch.signalled()
+            notes = watch.failures()
+            if first:
                 _, where, text = first[0]
-                error.add_note(f"[hetero] The first failure: {where} raised {text} (its traceback is printed above).")
-            for note in watch.failures() if not isinstance(error, RanksGone) else []:  # it names them
+                what = "The first error raised" if signalled else "The first failure"
+                note = f"[hetero] {what}: {where} raised {text} (its traceback is printed above)."
+                notes.insert(signalled, note)
+            for note in notes:
                 error.add_note(note)
             raise
         finally:
@@ -568,6 +576,10 @@ class _ChildWatch:
         """Stop every process still running (after ``GRACE_S``); idempotent."""
         with self._lock:
             self._killed += _stop([p for p in self._procs if p.poll() is None])
+
+    def signalled(self) -> int:
+        """How many of the processes were killed by a signal this process did not send."""
+        return sum(p.returncode is not None and p.returncode < 0 and p not in self._killed for p in self._procs)
 
     def failures(self) -> list[str]:
         """A line for each process that failed by itself (signals first: those are causes, not

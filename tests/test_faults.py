@@ -166,6 +166,48 @@ def test_a_popen_run_names_the_rank_that_raised_first(tmp_path: Path) -> None:
     assert f"[hetero] The first failure: global rank 2 (stage1 of {LAYOUT}) raised RuntimeError: injected fault" in run.stderr
 
 
+class _Layout:
+    """What `_Script.launch` asks of its strategy, for two local ranks besides this process."""
+
+    world_size = num_processes = 3
+    num_nodes = 1
+
+    def rank_name(self, local_rank: int) -> str:
+        return f"global rank {local_rank}"
+
+
+class _Environment:
+    def validate_settings(self, **kwargs: Any) -> None:
+        pass
+
+
+def test_a_rank_killed_by_a_signal_comes_before_the_error_another_rank_raised_at_its_death(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """popen: a rank killed by a signal records no error, so the first error recorded (rank 2's, at
+    losing its peer) is not called the first failure: the death is named first, then that error."""
+    from lightning_hetero import launcher
+
+    script = object.__new__(launcher._Script)
+    dies = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    answers = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    script.procs, script._strategy, script.cluster_environment = [dies, answers], _Layout(), _Environment()
+    script.num_processes, script.num_nodes, script.in_call = 3, 1, False
+    recorded = [(0, "global rank 2", "ConnectionError: global rank 1 closed its connection")]
+    monkeypatch.setattr(launcher, "recorded_failures", lambda ranks: recorded)
+
+    def lost_a_peer() -> None:
+        dies.wait(), answers.wait()
+        raise ConnectionError("a peer closed its connection")
+
+    with pytest.raises(ConnectionError) as failed:
+        script.launch(lost_a_peer)
+    notes = failed.value.__notes__
+    assert notes[0] == "[hetero] global rank 1 was killed by SIGKILL (sent by a user, a scheduler, or the kernel when memory runs out)."
+    assert notes[1].startswith("[hetero] The first error raised: global rank 2 raised ConnectionError")
+    assert not any("The first failure" in note for note in notes)
+
+
 def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path: Path, reference: dict) -> None:
     """`ModelCheckpoint(save_last=True)` and `fit(ckpt_path="last")`: a stage killed in step 6 of the
     first attempt, torchrun restarts every process, and the run continues from step 4 to the same model."""
