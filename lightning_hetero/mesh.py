@@ -490,7 +490,10 @@ class LocalMesh:
     def _out_of_step(self, peer: int, sent: str, due: str) -> RuntimeError:
         return RuntimeError(
             f"[hetero] Global rank {self._global[peer]} sent {sent} where {due} was due: the ranks' steps are out of"
-            " step (a bug: please report it, with the run's layout)."
+            " step. Where code of yours decides on some ranks only what every rank must do (`trainer.should_stop ="
+            " True` in a callback on one rank: decide it from every rank's view, with"
+            " `trainer.strategy.reduce_boolean_decision(...)` as EarlyStopping does), that is the cause; otherwise it"
+            " is a bug: please report it, with the run's layout."
         )
 
     def _gone(self, peer: int) -> ConnectionError:
