@@ -52,7 +52,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -655,10 +656,11 @@ class HeteroLauncher(_Launcher):
             self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
-            averaging = [c for c in trainer.callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
-            if pipeline and averaging:
+            whole = [c for c in trainer.callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging, ModelPruning))]
+            if pipeline and whole:
+                what = "prunes" if isinstance(whole[0], ModelPruning) else "averages"
                 raise ValueError(
-                    f"`{type(averaging[0]).__name__}` averages every parameter of the model on every rank, but in a"
+                    f"`{type(whole[0]).__name__}` {what} every parameter of the model on every rank, but in a"
                     " pipeline a stage holds only its own layers while training (the others' exist on the meta device"
                     " there). Train the model as replicas (`parallelism='replicas'`), where it works, or leave it out."
                 )

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from unittest import mock
 
 import lightning as L
-from lightning.pytorch.callbacks import BatchSizeFinder, EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BatchSizeFinder, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
@@ -402,6 +402,10 @@ CASES = {
     "ema-of-a-pipeline": Bad(
         lambda _: fit(callbacks=[EMAWeightAveraging()]),
         "`EMAWeightAveraging` averages every parameter of the model on every rank, but in a pipeline",
+    ),
+    "pruning-of-a-pipeline": Bad(
+        lambda _: fit(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),
+        "`ModelPruning` prunes every parameter of the model on every rank, but in a pipeline",
     ),
     "several-nodes-without-a-launch": Bad(
         lambda _: fit(num_nodes=2), "`num_nodes=2` needs this script started on every node: under torchrun or srun"
