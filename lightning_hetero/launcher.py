@@ -96,14 +96,15 @@ def _plans_the_cut(trainer: Optional["pl.Trainer"], strategy: "HeteroStrategy") 
 
 def resolve_start_method(start_method: str) -> str:
     """``"auto"`` is ``"fork"`` in a notebook, or where there is no script to run again
-    (``python -c``), and ``"popen"`` otherwise; any other must exist here."""
-    no_script = sys.argv[:1] == ["-c"]
+    (``python -c``, or code read from the standard input), and ``"popen"`` otherwise; any other must
+    exist here."""
+    no_script = sys.argv[:1] in (["-c"], ["-"], [""])
     if start_method == "auto":
         return "fork" if _IS_INTERACTIVE or no_script else "popen"
     if start_method == "popen" and no_script:
         raise ValueError(
-            "`start_method='popen'` runs the script again for every other process, and `python -c` has no script"
-            " to run: use `start_method='fork'` or `'spawn'`, or put the code in a file."
+            "`start_method='popen'` runs the script again for every other process, and `python -c` (or code read"
+            " from the standard input) has no script to run: use `start_method='fork'` or `'spawn'`, or put the code in a file."
         )
     if start_method not in ["popen", *mp.get_all_start_methods()]:
         raise ValueError(

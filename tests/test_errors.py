@@ -442,7 +442,7 @@ CASES = {
     ),
     "popen-under-python-c": Bad(
         lambda _: as_python_c(lambda: HeteroStrategy(start_method="popen")),
-        "`python -c` has no script to run: use `start_method='fork'` or `'spawn'`",
+        "`python -c` (or code read from the standard input) has no script to run: use `start_method='fork'` or `'spawn'`",
     ),
     "lbfgs": Bad(lambda _: fit(WithLBFGS()), "LBFGS re-evaluates the loss inside `optimizer.step`", in_run=True),
     "a-dict-between-stages": Bad(

@@ -362,8 +362,10 @@ def test_a_forked_rank_compiles_in_its_own_pool() -> None:
         AsyncCompile.pool.cache_clear()
 
 
-def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
-    """`python -c` has no script for popen to run again: the default start method forks there."""
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_python_c_forks_its_ranks(tmp_path: Path, how: str) -> None:
+    """`python -c` (or `python -` reading the code from the standard input) has no script for popen
+    to run again: the default start method forks there."""
     code = (
         "from tests.conftest import trainer; from tests.models import Net, regression_data;"
         "from lightning_hetero import HeteroStrategy;"
@@ -371,7 +373,8 @@ def test_python_c_forks_its_ranks(tmp_path: Path) -> None:
         "trainer(s, max_steps=2).fit(Net(), regression_data()); print('start method', s._start_method)"
     )
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
+    command, given = ([sys.executable, "-c", code], None) if how == "-c" else ([sys.executable, "-"], code.replace("; ", ";").replace(";", "\n"))
+    done = subprocess.run(command, input=given, cwd=root, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "start method fork" in done.stdout, done.stderr[-2000:]
 
 
