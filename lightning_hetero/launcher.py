@@ -104,7 +104,8 @@ def resolve_start_method(start_method: str) -> str:
     if start_method == "popen" and no_script:
         raise ValueError(
             "`start_method='popen'` runs the script again for every other process, and `python -c` (or code read"
-            " from the standard input) has no script to run: use `start_method='fork'` or `'spawn'`, or put the code in a file."
+            " from the standard input) has no script to run: use `start_method='fork'` or `'spawn'`, or put the"
+            " code in a file."
         )
     if start_method not in ["popen", *mp.get_all_start_methods()]:
         raise ValueError(

@@ -13,7 +13,6 @@ Every run follows a plan: ``HeteroStrategy``'s layout arguments are turned into 
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -346,7 +345,7 @@ class HeteroPlan:
                     "it holds no plan. A plan is a mapping of its fields (`stages: [...]`, `cpu_fraction: ...`), as"
                     " `HeteroPlan.save` and the workload analyzer write it."
                 )
-            if isinstance(loaded, DictConfig) and "shard_offloaded" in loaded:
+            if "shard_offloaded" in loaded:
                 rank_zero_warn(f"Plan file {path}: `shard_offloaded` is now `shard_cpu_optimizer`; read as such.")
                 loaded["shard_cpu_optimizer"] = loaded.pop("shard_offloaded")
             config = OmegaConf.merge(OmegaConf.structured(cls), loaded)
