@@ -189,6 +189,7 @@ class OffloadStep(BucketStep):
         self.optimizer = _cpu_optimizer(optimizer, groups) if groups else None
         self._stream = torch.cuda.Stream(self.params[0].device) if pin else None
         self._uploaded: Any = None
+        self._versions = self._weight_versions()
 
     @staticmethod
     def _master(param: nn.Parameter, pin: bool, host_copies: bool) -> nn.Parameter:
@@ -203,13 +204,16 @@ class OffloadStep(BucketStep):
         return self._master_of.get(param, param)
 
     def grad_holders(self) -> list[Tensor]:
-        return list(self.masters)
+        # A gradient summed with none (no CPU worker's share) is still the weight's until `_to_host`
+        # moves it: it is clipped there, before the step.
+        return [m if m is p or p.grad is None else p for p, m in zip(self.params, self.masters)]
 
     def lacks_state(self) -> bool:
         state = self.optimizer.state if self.optimizer is not None else None
         return state is not None and any(p.requires_grad and m not in state for p, m in zip(self.params, self.masters))
 
     def step(self) -> None:
+        self._take_edited_weights()
         self._to_host()
         if self.optimizer is not None:
             self._sync_hyperparameters(self.optimizer, self.user, self.sources)
@@ -223,6 +227,17 @@ class OffloadStep(BucketStep):
         if self._uploaded is not None:
             torch.cuda.current_stream(self.params[0].device).wait_event(self._uploaded)
             self._uploaded = None
+
+    def _weight_versions(self) -> list[int]:
+        return [p._version for p in self.params]
+
+    def _take_edited_weights(self) -> None:
+        """A weight changed in place since its master was last copied to it (a constraint or a reset in
+        a hook, values loaded into it): its master takes the new value, as one process steps from it."""
+        with torch.no_grad():
+            for p, master, version in zip(self.params, self.masters, self._versions):
+                if master is not p and p._version != version:
+                    master.copy_(p.detach())
 
     def _to_host(self) -> None:
         """Copy gradients still on the device into the masters' (the summed ones are there already)."""
@@ -252,6 +267,7 @@ class OffloadStep(BucketStep):
                     master.grad = None
         if stream is not None:
             self._uploaded = stream.record_event()
+        self._versions = self._weight_versions()
 
     def state(self) -> dict[nn.Parameter, dict[str, Any]]:
         """Optimizer state per (device) parameter, as the user's optimizer would hold it; a separate
@@ -283,6 +299,7 @@ class OffloadStep(BucketStep):
                     else v
                     for k, v in state.items()
                 }
+        self._versions = self._weight_versions()  # the weights as loaded, each with its master
 
 
 @contextmanager

@@ -115,7 +115,7 @@ class ShardedStep(OffloadStep):
 
     def grad_holders(self) -> list[Tensor]:
         # Every gradient of the bucket this rank holds: clipping by norm scales them all alike.
-        return [*self.masters, *self.others]
+        return [*super().grad_holders(), *self.others]
 
     def step(self) -> None:
         for p in self.others:

@@ -128,6 +128,59 @@ def test_clipping_by_norm_with_the_cpu_worker_kept_out() -> None:
     assert max_param_diff(fit(None, "sgd", **clip), fit(fine(cpu_fraction=0.0), "sgd", **clip)) < TOL
 
 
+@pytest.fixture
+def separate_masters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every offloaded bucket keeps masters of its own, as a GPU stage's does (on the CPU a float64
+    weight is its own master); inherited by the forked ranks."""
+    master = OffloadStep._master
+    monkeypatch.setattr(OffloadStep, "_master", staticmethod(lambda param, pin, host_copies: master(param, pin, True)))
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [{"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}, {"gradient_clip_val": 0.005, "gradient_clip_algorithm": "value"}],
+    ids=["norm", "value"],
+)
+@pytest.mark.parametrize(
+    "layout", [{"stages": ["cpu"], "cpu_fraction": 0.0}, {"stages": ["cpu", "cpu"], "cpu_workers": 0}], ids=["fraction-0", "no-cpu-worker"]
+)
+def test_offloaded_gradients_summed_with_none_are_clipped(separate_masters: None, clip: dict, layout: dict) -> None:
+    """A bucket's gradient that no CPU worker's share was summed with stays on its weight until the
+    step moves it to the master: it is clipped there, and counts toward the global norm."""
+    reference = fit(None, "sgd", **clip)
+    assert max_param_diff(reference, fit(fine(offload="all", **layout), "sgd", **clip)) < TOL
+
+
+class EditsWeights(L.Callback):
+    """Sets weights in place between steps, the same on every rank, as a hook of the user's may: a
+    value before training, a layer reset after step 3, a constraint after every later step (a
+    layer a stage does not hold is on the meta device there, where each edit does nothing)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with torch.no_grad():
+            pl_module.layers[0].bias.fill_(0.05)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            if batch_idx == 3:
+                pl_module.layers[2].weight.zero_()
+            elif batch_idx > 3:
+                for p in pl_module.parameters():
+                    p.clamp_(-0.2, 0.2)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"cpu_fraction": 0.5}, {"stages": ["cpu"], "cpu_fraction": 0.0}, {"cpu_workers": 2, "cpu_fraction": 0.5}],
+    ids=["pipeline", "fraction-0", "split-between-cpu-workers"],
+)
+def test_weights_set_between_steps_are_what_offloaded_buckets_step_from(separate_masters: None, layout: dict) -> None:
+    """An offloaded bucket's master takes a weight set in place since its last step, as one process
+    steps from the weight as set."""
+    reference = fit(None, "sgd", callbacks=[EditsWeights()])
+    assert max_param_diff(reference, fit(fine(offload="all", **layout), "sgd", callbacks=[EditsWeights()])) < TOL
+
+
 def test_pipeline_only_with_everything_offloaded(plain: Net) -> None:
     assert max_param_diff(plain, fit(fine(stages=["cpu"] * 3, cpu_workers=0, offload="all"))) < TOL
 
