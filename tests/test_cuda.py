@@ -140,6 +140,20 @@ class AllocatedAfterStep(L.Callback):
             (self.out / "allocated.json").write_text(json.dumps(torch.cuda.memory_allocated()))
 
 
+@pytest.mark.parametrize("cpu_fraction", [0.0, 0.5])
+def test_offloaded_buckets_clip_and_step_from_weights_set_between_steps(cpu_fraction: float) -> None:
+    """On a GPU stage every offloaded bucket keeps its master in CPU memory: clipping by norm reaches a
+    gradient no CPU worker's share was summed with (fraction 0), and a weight set in place between
+    steps is what its master steps from."""
+    from tests.test_fine import EditsWeights
+
+    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    plain = Net()
+    trainer(None, max_steps=STEPS, callbacks=[EditsWeights()], **clip).fit(plain, regression_data())
+    strategy = gpu(mode="fine", offload="all", bucket_size_mb=1e-5, cpu_fraction=cpu_fraction)
+    assert max_param_diff(plain, fit(strategy, callbacks=[EditsWeights()], **clip)) < TOL["64-true"]
+
+
 def test_offloading_every_bucket_takes_adams_state_off_the_gpu(tmp_path: Path) -> None:
     """Adam keeps two tensors per parameter: offloaded, the GPU holds about two parameters' worth less."""
     allocated = {}
