@@ -478,20 +478,25 @@ class AdaptiveRebalancer(L.Callback):
         self.balancer = Balancer(strategy.micro_batches, strategy.topology.cpu_workers, **self._settings)
         self.loading = _load_balancer(strategy, self.max_dataloader_workers, self.loading_jitter_s) if self.balance_loading else None
         self._pending, self._last_step = _Pending(), trainer.global_step
-        if self._restored is not None:
-            self.balancer.load_state_dict(self._restored["balancer"])
-            if self.loading is not None and self._restored.get("loading"):
-                self.loading.load_state_dict(self._restored["loading"])
-            self.decisions = list(self._restored["decisions"])
-            self._restored = None
+        restored, self._restored = self._restored, None
+        # A checkpoint's balancer resumes where it ran with CPU workers and this run has them too: a run
+        # without them saved one that never started (no share to move), and this one may have none.
+        resumes = restored is not None and self._moves_fraction and restored["balancer"].get("probe_interval", 0) > 0
+        if restored is not None:
+            if resumes:
+                self.balancer.load_state_dict(restored["balancer"])
+            if self.loading is not None and restored.get("loading"):
+                self.loading.load_state_dict(restored["loading"])
+            self.decisions = list(restored["decisions"])
+        if resumes:
             decision = Decision(self.balancer.fraction, "resume")
-            if self.loading is not None:
-                split = {"dataloader_workers": self.loading.workers, "cpu_threads": self.loading.threads}
-                decision = replace(decision, **split, loading="resume")
         elif self._moves_fraction:
             decision = self.balancer.start(strategy.cpu_fraction)
         else:  # no CPU workers: only the cores between loading and the stages move
             decision = Decision(strategy.cpu_fraction, "hold")
+        if restored is not None and self.loading is not None:
+            split = {"dataloader_workers": self.loading.workers, "cpu_threads": self.loading.threads}
+            decision = replace(decision, **split, loading="resume")
         if trainer.is_global_zero:
             self._log_decision(trainer, decision, None)
         # Rank 0's word, whatever each rank restored.

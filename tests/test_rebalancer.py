@@ -432,34 +432,52 @@ def test_parameters_match_the_reference_while_the_fraction_moves(tmp_path: Path,
     assert max_param_diff(plain, model) < TOL
 
 
-def test_resume_continues_with_the_same_fraction_and_parameters(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumed_as", ["same", "no-cpu-worker", "from-a-balancer-never-started"])
+def test_resume_continues_with_the_same_fraction_and_parameters(tmp_path: Path, resumed_as: str) -> None:
+    """A resumed run takes the checkpoint's split; one without CPU workers holds at none (it once
+    failed applying the checkpoint's share); a checkpoint whose balancer never started (a run
+    without CPU workers saves one) starts this run's from its baseline."""
     steps, cut = 8 * EVERY, 4 * EVERY  # two epochs; the checkpoint is the first one's end
     speed = {"cpu": 150.0, "pipeline": REAL_PIPELINE}
 
-    def fit(out: str, max_steps: int, ckpt_path: Optional[str] = None, checkpoint: Optional[ModelCheckpoint] = None) -> Net:
+    def fit(
+        out: str, max_steps: int, ckpt_path: Optional[Path] = None, checkpoint: Optional[ModelCheckpoint] = None, **layout: Any
+    ) -> Net:
         # Created in float64, so resuming loads the checkpoint's weights without rounding them.
         model = Net(optimizer="adamw").double()
         callbacks: list[L.Callback] = [AdaptiveRebalancer(every_n_steps=EVERY, warmup_steps=1), RecordFractions(tmp_path / out)]
         if checkpoint is not None:
             callbacks.append(checkpoint)
-        strategy = hetero(micro_batches=MICRO, emulated_speed=speed)
-        trainer(strategy, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=checkpoint is not None).fit(
+        strategy = hetero(micro_batches=MICRO, emulated_speed=speed, **layout)
+        logs = tmp_path / f"{out}_logs"
+        trainer(strategy, logs, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=checkpoint is not None).fit(
             model, data(cut), ckpt_path=ckpt_path
         )
         return model
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=cut, save_top_k=-1)
     whole = fit("whole", steps, checkpoint=checkpoint)
-    resumed = fit("resumed", steps, ckpt_path=str(tmp_path / "ckpt" / f"step={cut}.ckpt"))
+    path = tmp_path / "ckpt" / f"step={cut}.ckpt"
+    saved = torch.load(path, weights_only=False)
+    (name, state), = [(k, v) for k, v in saved["callbacks"].items() if k.startswith("AdaptiveRebalancer")]
+    whole_fractions = json.loads((tmp_path / "whole").read_text())
+    assert whole_fractions[cut] > 0.0
+    assert state["balancer"]["fraction"] == whole_fractions[cut] and state["decisions"]
+    if resumed_as == "from-a-balancer-never-started":
+        saved["callbacks"][name]["balancer"] = Balancer(MICRO, 1).state_dict()
+        path = tmp_path / "never_started.ckpt"
+        torch.save(saved, path)
+    resumed = fit("resumed", steps, ckpt_path=path, **({"cpu_workers": 0} if resumed_as == "no-cpu-worker" else {}))
     plain = Net(optimizer="adamw")
     trainer(None, max_steps=steps).fit(plain, data(cut))
-    whole_fractions = json.loads((tmp_path / "whole").read_text())
     resumed_fractions = json.loads((tmp_path / "resumed").read_text())
-    assert whole_fractions[cut] > 0.0
-    assert resumed_fractions[0] == whole_fractions[cut]  # the balanced split, not a new baseline
-    saved = torch.load(tmp_path / "ckpt" / f"step={cut}.ckpt", weights_only=False)
-    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("AdaptiveRebalancer")]
-    assert state["balancer"]["fraction"] == whole_fractions[cut] and state["decisions"]
+    if resumed_as == "same":
+        assert resumed_fractions[0] == whole_fractions[cut]  # the balanced split, not a new baseline
+    elif resumed_as == "no-cpu-worker":
+        assert set(resumed_fractions) == {0.0}
+    else:
+        first = decisions(tmp_path / "resumed_logs")[0]
+        assert first["rebalancer/reason"] == REASONS.index("baseline") and resumed_fractions[0] == 0.0
     assert max_param_diff(plain, resumed) < TOL and max_param_diff(whole, resumed) < TOL
 
 
