@@ -158,6 +158,11 @@ class Recorder:
         self._started = self._last_end if self._last_end is not None else now
         return self.clock
 
+    def leave_out_gap(self) -> None:
+        """What ran since the last step was no part of training (a validation loop in the middle of a
+        fit): the next step is timed from its own start, with no wait for data before it."""
+        self._last_end = None
+
     def end(self, step: int, samples: int, cpu_fraction: float = 0.0) -> StepRecord | None:
         """This rank is done with the batch (its optimizer stepped, or it accumulates): close the record.
 

@@ -509,6 +509,13 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def on_train_end(self) -> None:
         self.refresh_replicas()  # a CPU worker that kept out of the last steps is brought up to date
 
+    @override
+    def on_validation_end(self) -> None:
+        # Validation in the middle of a fit ran between two training steps: neither a wait for the next
+        # batch nor part of a step, for the rebalancer, the analyzer and the monitor.
+        if self._engine is not None and self._engine.recorder is not None:
+            self._engine.recorder.leave_out_gap()
+
     # ----------------------------------------------------------------- failures
 
     @override

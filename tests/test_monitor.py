@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import WandbLogger
@@ -180,6 +182,34 @@ def test_a_run_the_main_process_started_stays_open(tmp_path: Path, monkeypatch: 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     summary = _inspect(run_dir)
     assert summary["summary"]["after_fit"] == 7.0
+
+
+class SlowValidation(L.Callback):
+    """Validation that takes ``seconds`` of work on every rank; each rank writes its step records' waits for data."""
+
+    def __init__(self, out: Path, seconds: float) -> None:
+        self.out, self.seconds = out, seconds
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        started = time.perf_counter()
+        while time.perf_counter() - started < self.seconds:  # busy, as evaluating is
+            pass
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        records = trainer.strategy.step_records
+        (self.out / f"data{trainer.global_rank}.json").write_text(json.dumps([[r.data, r.total] for r in records]))
+
+
+def test_validation_between_training_steps_is_no_wait_for_data(tmp_path: Path) -> None:
+    """A validation loop in the middle of a fit runs between two training steps: the step after it
+    is timed from its own start (the rebalancer once read it as a stalled loader, and a slow step)."""
+    slow = 0.3
+    trainer(hetero(cpu_fraction=0.5), max_steps=8, val_check_interval=2, callbacks=[SlowValidation(tmp_path, slow)]).fit(
+        Net(), regression_data(n=96), regression_data(n=12)
+    )
+    for rank in range(3):
+        records = json.loads((tmp_path / f"data{rank}.json").read_text())
+        assert len(records) == 8 and all(data < slow / 2 and total < slow / 2 for data, total in records), records
 
 
 def test_image_has_a_bar_per_device() -> None:
