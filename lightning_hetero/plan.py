@@ -167,7 +167,7 @@ class HeteroPlan:
             raise ValueError(f"Plan: `offload={self.offload!r}` must be 'auto', 'none', 'all' or a list of bucket indices (integers >= 0).")
         if self.offload not in ("auto", "none", []) and self.mode != "fine":
             raise ValueError("Plan: offloaded buckets need `mode: fine`.")
-        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
+        if not 0 < self.bucket_size_mb < math.inf:  # as `from_arguments` checks it (NaN fails both)
             raise ValueError(f"Plan: `bucket_size_mb={self.bucket_size_mb}` must be a positive number of megabytes.")
         if self.dataloader_workers is not None and self.dataloader_workers < 0:
             raise ValueError(f"Plan: `dataloader_workers={self.dataloader_workers}` must be >= 0.")
