@@ -97,10 +97,14 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int) -> list[tuple
 
 
 def schedule_name(schedule: ScheduleArg) -> str:
-    """The name ``get_schedule_class`` knows a schedule by (a plan holds names): a name as given, or
-    a schedule class's."""
+    """The name ``get_schedule_class`` knows a schedule by (a plan holds names): torch's own spelling
+    of a name it knows in any case (``"dualpipev"`` is ``"DualPipeV"``), another name as given, or a
+    schedule class's."""
     if isinstance(schedule, str):
-        return schedule
+        try:
+            schedule = get_schedule_class(schedule)
+        except ValueError:
+            return schedule
     name = getattr(schedule, "__name__", "").removeprefix("Schedule")
     try:
         if get_schedule_class(name) is schedule:
@@ -139,7 +143,9 @@ def resolve_schedule(schedule: ScheduleArg, num_stages: int, micro_batches: int,
     ``num_stages`` stage processes, each holding ``per_process`` stages, and ``micro_batches``."""
     cls = schedule_class(schedule)
     multi = is_multi_stage(cls)
-    if not multi and not (isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle) and cls is not PipelineScheduleSingle):
+    if cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        raise ValueError(f"{schedule!r} is torch's base class of pipeline schedules; pass a schedule's name (e.g. 'GPipe').")
+    if not multi and not (isinstance(cls, type) and issubclass(cls, PipelineScheduleSingle)):
         raise ValueError(f"{schedule!r} is not a pipeline schedule; pass a schedule's name (e.g. 'GPipe').")
     name = schedule_name(cls)
     if not multi and per_process != 1:

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_hetero import HeteroStrategy
 from lightning_hetero.pipeline import V_SHAPED, available_schedules, holders, stages_of
 from lightning_hetero.plan import HeteroPlan
+from lightning_hetero.planner import schedule_candidates
 from lightning_hetero.profiling import Profile
 from tests.conftest import RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import Net, TiedNet, regression_data
@@ -168,8 +169,10 @@ def test_the_trace_shows_every_stage_process_at_work(tmp_path: Path) -> None:
         (dict(schedule="Interleaved1F1B", stages_per_process=1), "`stages_per_process` must be 2 or more"),
         (dict(schedule="ZBVZeroBubble", stages_per_process=3), "two stages per process in a V"),
         (dict(schedule="Zigzag"), "not one of torch's pipeline schedules"),
+        (dict(schedule="PipelineScheduleMulti"), "torch's base class of pipeline schedules"),
+        (dict(schedule="PipelineScheduleSingle"), "torch's base class of pipeline schedules"),
     ],
-    ids=["too-few-micro-batches", "rounds", "single-stage", "multi-stage-with-one", "v-with-three", "unknown"],
+    ids=["too-few-micro-batches", "rounds", "single-stage", "multi-stage-with-one", "v-with-three", "unknown", "base-multi", "base-single"],
 )
 def test_what_a_schedule_cannot_take_is_refused_when_the_strategy_is_made(arguments: dict, message: str) -> None:
     if arguments["schedule"] in ("DualPipeV", "ZBVZeroBubble") and arguments["schedule"] not in SCHEDULES:
@@ -265,6 +268,18 @@ def test_the_analyzer_plans_the_multi_stage_schedule_it_is_given(tmp_path: Path,
     assert len(plan.boundaries) == 2 * plan.stages_per_process - 1
     assert f"schedule Interleaved1F1B, {plan.stages_per_process} stages per process" in explanation
     assert _weighed(explanation) == [("Interleaved1F1B", 2), ("Interleaved1F1B", 3)]
+
+
+@pytest.mark.skipif("DualPipeV" not in SCHEDULES, reason="this torch lacks DualPipeV")
+def test_a_schedule_named_in_another_case_is_planned_as_torchs_spelling(tmp_path: Path, plain: Net) -> None:
+    """torch knows schedule names in any case: ``"dualpipev"`` is DualPipeV, in the plan and to the
+    planner, which weighs it in a V (two stages per process) only."""
+    assert HeteroStrategy(stages=["cpu", "cpu"], schedule="dualpipev", micro_batches=4).plan.schedule == "DualPipeV"
+    model, plan, explanation = _analyzed(tmp_path, Net().double(), schedule="dualpipev", micro_batches=4)
+    assert max_param_diff(plain, model) < TOL
+    assert (plan.schedule, plan.stages_per_process) == ("DualPipeV", 2)
+    assert "schedule DualPipeV, 2 stages per process" in explanation
+    assert schedule_candidates("dualpipev", "auto", processes=2, layers=6) == [("DualPipeV", 2)]
 
 
 @pytest.mark.skipif("ZBVZeroBubble" not in SCHEDULES, reason="this torch lacks ZBVZeroBubble")
