@@ -52,8 +52,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelPruning, StochasticWeightAveraging
-from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, BatchSizeFinder, LearningRateFinder, ModelPruning
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -289,6 +289,37 @@ class _Processes(_MultiProcessingLauncher):
             module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
             trainer.strategy.precision_plugin.convert_module(module)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def _model_callbacks(model: LightningModule) -> list:
+    """The callbacks the model's ``configure_callbacks`` gives, which Lightning adds in each process
+    (so that they are checked here too, before any starts)."""
+    if not is_overridden("configure_callbacks", model):
+        return []
+    callbacks = model.configure_callbacks()
+    return list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
+
+
+def _check_pipeline_callbacks(callbacks: Sequence[Any]) -> None:
+    """Refuse the callbacks that need every parameter's values on every rank, which a pipeline's
+    stages do not hold while training (the other stages' layers are on the meta device there)."""
+    for callback in callbacks:
+        name = type(callback).__name__
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging, ModelPruning)):
+            what = "prunes" if isinstance(callback, ModelPruning) else "averages"
+            raise ValueError(
+                f"`{name}` {what} every parameter of the model on every rank, but in a pipeline a stage holds only"
+                " its own layers while training (the others' exist on the meta device there). Train the model as"
+                " replicas (`parallelism='replicas'`), where it works, or leave it out."
+            )
+        if isinstance(callback, BaseFinetuning):
+            raise ValueError(
+                f"`{name}` unfreezes layers with `BaseFinetuning.unfreeze_and_add_param_group`, which compares the"
+                " values of every parameter of the model with the optimizer's, but in a pipeline a stage holds only"
+                " its own layers while training (the others' exist on the meta device there). Train the model as"
+                " replicas (`parallelism='replicas'`), where it works, or unfreeze in a hook of the model or a"
+                " callback of your own: `requires_grad_(True)` on the layers, then `optimizer.add_param_group(...)`."
+            )
 
 
 def _preload_forkserver(module: Optional[LightningModule]) -> None:
@@ -658,18 +689,13 @@ class HeteroLauncher(_Launcher):
             self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
-            whole = [c for c in trainer.callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging, ModelPruning))]
-            if pipeline and whole:
-                what = "prunes" if isinstance(whole[0], ModelPruning) else "averages"
-                raise ValueError(
-                    f"`{type(whole[0]).__name__}` {what} every parameter of the model on every rank, but in a"
-                    " pipeline a stage holds only its own layers while training (the others' exist on the meta device"
-                    " there). Train the model as replicas (`parallelism='replicas'`), where it works, or leave it out."
-                )
+            callbacks = [*trainer.callbacks, *_model_callbacks(model)]
+            if pipeline:
+                _check_pipeline_callbacks(callbacks)
             if self._strategy.mode == "fine":
                 check_fine_clipping(model)
             check_before_launch(trainer, model, args, pairs=pipeline)
-            self._check_tuner(trainer)
+            self._check_tuner(trainer, callbacks)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
@@ -681,14 +707,14 @@ class HeteroLauncher(_Launcher):
             raise
         return results
 
-    def _check_tuner(self, trainer: "pl.Trainer") -> None:
+    def _check_tuner(self, trainer: "pl.Trainer", callbacks: list) -> None:
         """``Tuner(trainer).lr_find`` and ``scale_batch_size`` end the fit in the processes, and the
         tuner reads its result there: a process this one started (fork, spawn) keeps it.
 
         The batch size finder is refused, as Lightning refuses it for DDP: each process would try
         batch sizes on its own (a GPU stage runs out of memory where a CPU worker does not, and the
         processes' trials part ways), and it restores its start from a file only one process writes."""
-        finders = [c for c in trainer.callbacks if isinstance(c, BatchSizeFinder)]
+        finders = [c for c in callbacks if isinstance(c, BatchSizeFinder)]
         if finders:
             how = "`Tuner(trainer).scale_batch_size`" if finders[0]._early_exit else "The `BatchSizeFinder` callback"
             raise ValueError(
@@ -699,7 +725,7 @@ class HeteroLauncher(_Launcher):
             )
         if self.start_method == "popen":
             return
-        tuning = [c for c in trainer.callbacks if isinstance(c, LearningRateFinder) and c._early_exit]
+        tuning = [c for c in callbacks if isinstance(c, LearningRateFinder) and c._early_exit]
         if tuning:
             raise ValueError(
                 f"`Tuner(trainer)`'s {type(tuning[0]).__name__} runs in the processes the strategy starts, and with"

@@ -17,7 +17,8 @@ from typing import Any, Optional
 from unittest import mock
 
 import lightning as L
-from lightning.pytorch.callbacks import BatchSizeFinder, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, BatchSizeFinder, EMAWeightAveraging, ModelPruning
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
@@ -81,6 +82,17 @@ class Variant(Net):
 class IterStep(Net):
     def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
         return super().training_step(next(dataloader_iter), 0)
+
+
+class OwnCallbacks(Net):
+    """A model that brings its callbacks (``configure_callbacks``), which Lightning adds in each process."""
+
+    def __init__(self, *callbacks: Any) -> None:
+        super().__init__()
+        self.own = list(callbacks)
+
+    def configure_callbacks(self) -> list:
+        return self.own
 
 
 class Lazy(Net):
@@ -407,6 +419,18 @@ CASES = {
         lambda _: fit(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),
         "`ModelPruning` prunes every parameter of the model on every rank, but in a pipeline",
     ),
+    "fine-tuning-of-a-pipeline": Bad(
+        lambda _: fit(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]),
+        "`BackboneFinetuning` unfreezes layers with `BaseFinetuning.unfreeze_and_add_param_group`, which compares",
+    ),
+    "weight-averaging-of-a-pipeline-from-the-model": Bad(
+        lambda _: fit(OwnCallbacks(StochasticWeightAveraging(swa_lrs=0.01))),
+        "`StochasticWeightAveraging` averages every parameter of the model on every rank, but in a pipeline",
+    ),
+    "batch-size-finder-from-the-model": Bad(
+        lambda _: fit(OwnCallbacks(BatchSizeFinder(max_trials=2)), strategy=hetero(cpu_fraction=0.5, parallelism="replicas")),
+        "The `BatchSizeFinder` callback is not supported by the hetero strategy",
+    ),
     "several-nodes-without-a-launch": Bad(
         lambda _: fit(num_nodes=2), "`num_nodes=2` needs this script started on every node: under torchrun or srun"
     ),
@@ -575,8 +599,10 @@ class DictBatches(Net):
     [
         lambda: fit(DictBatches(), data=DataLoader([{"x": x, "y": y} for x, y in zip(X, Y)], batch_size=4)),
         lambda: fit(val=loader(X, Y, shuffle=True), limit_val_batches=0),
+        lambda: fit(callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], strategy=hetero(parallelism="replicas")),
+        lambda: fit(OwnCallbacks(StochasticWeightAveraging(swa_lrs=0.01)), strategy=hetero(parallelism="replicas")),
     ],
-    ids=["reshaped-by-a-hook", "validation-off"],
+    ids=["reshaped-by-a-hook", "validation-off", "fine-tuning-of-replicas", "weight-averaging-of-replicas-from-the-model"],
 )
 def test_what_the_processes_would_accept_is_not_refused_beforehand(case: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.multiprocessing as mp
