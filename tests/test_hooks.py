@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_hetero.module import check_optimizers
 
@@ -182,16 +182,22 @@ class LogsTheMeanOfItsSteps(Net):
         self.outputs.clear()
 
 
-def test_a_checkpoint_monitoring_a_value_only_some_processes_logged_stops_at_once(tmp_path: Path) -> None:
-    """The processes without the value would skip the save the others wait on (until the timeout):
-    every process stops at the epoch's end, saying which lack it and why."""
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="epoch_mean")
+@pytest.mark.parametrize("kind", ["ModelCheckpoint", "EarlyStopping"])
+def test_a_callback_monitoring_a_value_only_some_processes_logged_stops_at_once(tmp_path: Path, kind: str) -> None:
+    """The processes without the value would skip the save, or the early-stopping decision, the others
+    wait on (until the timeout; `strict=False` early stopping skips it quietly): every process stops
+    at the epoch's end, saying which lack it and why."""
+    if kind == "ModelCheckpoint":
+        callback: Any = ModelCheckpoint(dirpath=tmp_path, monitor="epoch_mean")
+    else:
+        callback = EarlyStopping(monitor="epoch_mean", strict=False, check_on_train_epoch_end=True)
     strategy = hetero(cpu_fraction=0.5, timeout=120)
     started = time.monotonic()
     with pytest.raises(Exception) as error:
-        trainer(strategy, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint]).fit(LogsTheMeanOfItsSteps(), regression_data())
+        trainer(strategy, max_epochs=2, enable_checkpointing=True, callbacks=[callback]).fit(LogsTheMeanOfItsSteps(), regression_data())
     assert time.monotonic() - started < 60
-    assert re.search(r"`ModelCheckpoint\(monitor='epoch_mean'\)`: 'epoch_mean' was logged on 2 of 3 processes, not on global rank 1 \(stage0", str(error.value))
+    said = rf"`{kind}\(monitor='epoch_mean'\)`: 'epoch_mean' was logged on 2 of 3 processes, not on global rank 1 \(stage0"
+    assert re.search(said, str(error.value))
 
 
 class LazyMadeInConfigureModel(Net):
