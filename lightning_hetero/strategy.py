@@ -349,7 +349,16 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         if trainer.state.fn == TrainerFn.FITTING:
             names = lambda rank: self.topology.rank_name(*divmod(rank, self.topology.procs_per_node))  # noqa: E731
             self._unguard = guard_monitored_values(trainer.callbacks, self.gather, names)
-            self.setup_optimizers(trainer)
+            try:
+                self.setup_optimizers(trainer)
+            except RuntimeError as error:
+                if "multiple optimizers" in str(error):  # Lightning's advice is manual optimization, which this strategy refuses
+                    error.add_note(
+                        "[hetero] The hetero strategy trains with automatic optimization, one optimizer: give each"
+                        " part of the model a parameter group of its own in one optimizer instead"
+                        " (`torch.optim.AdamW([{'params': ..., 'lr': ...}, {'params': ..., 'lr': ...}])`)."
+                    )
+                raise
             check_optimizers(module, self.optimizers, self.mode)
             skip = self._nonfinite == "skip"
             sync = build_sync(self._engine, self._plan, self.topology, self._groups, self.optimizers[0], skip)

@@ -95,6 +95,12 @@ class OwnCallbacks(Net):
         return self.own
 
 
+class TwoOptimizers(Net):
+    def configure_optimizers(self) -> list:
+        first, rest = list(self.parameters())[:2], list(self.parameters())[2:]
+        return [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)]
+
+
 class Lazy(Net):
     """A layer whose parameters take their shape at the first forward."""
 
@@ -451,6 +457,12 @@ CASES = {
     "datamodule-batches-not-pairs": Bad(
         lambda _: fit(data=L.LightningDataModule.from_datasets(TensorDataset(X, Y, torch.randn(12)), batch_size=4)),
         "expects every batch to be a pair `(inputs, targets)`, but got a list of length 3",
+        in_run=True,
+    ),
+    "two-optimizers": Bad(
+        lambda _: fit(TwoOptimizers(), hetero(cpu_fraction=0.5, timeout=60)),
+        "[hetero] The hetero strategy trains with automatic optimization, one optimizer: give each part of the model a"
+        " parameter group of its own in one optimizer instead",
         in_run=True,
     ),
     "loss-other-than-pipeline-loss": Bad(
