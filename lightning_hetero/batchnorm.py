@@ -22,7 +22,7 @@ statistics, as with Lightning's DDP:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -192,7 +192,8 @@ class ReplicaNorm:
 
     Whole-batch mode (``whole``): before the step, point the layers at the group of the replicas
     that have a share of this batch (one of ``groups``, keyed by which CPU workers and which
-    devices have one; ``None`` where this replica is alone). Either mode, after a training batch:
+    devices have one, ``make_group`` making one for a key not there yet; ``None`` where this
+    replica is alone). Either mode, after a training batch:
     average the running statistics over every rank, weighted by their shares
     (``average_running_stats``): in per-share mode this is what makes them one; in whole-batch
     mode it brings a replica that had no share up to date, and joins the nodes' statistics."""
@@ -205,9 +206,11 @@ class ReplicaNorm:
         devices: int,
         everyone: dist.ProcessGroup,
         num_nodes: int,
+        make_group: Callable[[tuple[tuple[bool, ...], tuple[bool, ...]]], dist.ProcessGroup],
     ) -> None:
         self.module, self.whole, self.groups = module, whole, groups
         self.devices, self.everyone, self.num_nodes = devices, everyone, num_nodes
+        self.make_group = make_group
         self.stats = StatsGroup()
 
     def apply(self) -> None:
@@ -231,11 +234,9 @@ class ReplicaNorm:
             return
         key = (cpus, devices)
         if key not in self.groups:
-            raise ValueError(
-                f"A batch of {shares.batch_size} sample(s) leaves some replicas without a share and others with"
-                " one, which whole-batch BatchNorm statistics (`sync_batchnorm=True`) cannot sum over: use"
-                " batches of at least one sample per replica."
-            )
+            # A batch too small for every replica (an epoch's last): the group of those with a share, made
+            # once. Every rank comes here with the same shares, those without a share included.
+            self.groups[key] = self.make_group(key)
         self.stats.group = self.groups[key]
 
     def after_training_batch(self, samples: int, batch_size: int) -> None:

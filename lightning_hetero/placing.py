@@ -162,17 +162,23 @@ def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeo
         return dist.new_group(ranks, backend="gloo", timeout=timeout)
 
     everyone = group()
-    groups: dict = {}
-    # Every node's batch is split alike, so the replicas with a share are the same on every node:
-    # the statistics are the whole global batch's, as DDP's SyncBatchNorm takes them.
-    sets = {((True,) * cpus, (True,) * devices): (0, cpus + devices)}
+
+    def of_shares(key: tuple[tuple[bool, ...], tuple[bool, ...]]) -> dist.ProcessGroup:
+        # Every node's batch is split alike, so the replicas with a share are the same on every node:
+        # the statistics are the whole global batch's, as DDP's SyncBatchNorm takes them. A node's
+        # ranks are its CPU workers', then its devices'.
+        has = [*key[0], *key[1]]
+        return group([r for node in range(topology.num_nodes) for i, r in enumerate(topology.node_ranks(node)) if has[i]])
+
+    # The groups of a batch every replica has a share of, and of a CPU share of 0 or 1, made now; a
+    # batch too small for every replica makes its own when it comes (`ReplicaNorm.before`).
+    keys = [((True,) * cpus, (True,) * devices)]
     if devices * topology.num_nodes > 1:
-        sets[((False,) * cpus, (True,) * devices)] = (cpus, cpus + devices)
+        keys.append(((False,) * cpus, (True,) * devices))
     if cpus * topology.num_nodes > 1:
-        sets[((True,) * cpus, (False,) * devices)] = (0, cpus)
-    for key, (start, stop) in sets.items() if whole else ():
-        groups[key] = group([r for node in range(topology.num_nodes) for r in topology.node_ranks(node)[start:stop]])
-    return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes)
+        keys.append(((True,) * cpus, (False,) * devices))
+    groups = {key: of_shares(key) for key in keys} if whole else {}
+    return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes, of_shares)
 
 
 def encoder_exchange(
