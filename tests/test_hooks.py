@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning_hetero.module import check_optimizers
 
 from tests.conftest import hetero, max_param_diff, trainer
-from tests.models import Net, regression_data
+from tests.models import Net, TwoPass, regression_data
 
 TOL = 1e-10
 
@@ -198,6 +198,23 @@ def test_a_callback_monitoring_a_value_only_some_processes_logged_stops_at_once(
     assert time.monotonic() - started < 60
     said = rf"`{kind}\(monitor='epoch_mean'\)`: 'epoch_mean' was logged on 2 of 3 processes, not on global rank 1 \(stage0"
     assert re.search(said, str(error.value))
+
+
+class BuildsInSetup(TwoPass):
+    """A layer built in `setup`, which runs in the strategy's processes only (a model without blocks,
+    trained as replicas, so that a parameter outside them is allowed)."""
+
+    def setup(self, stage: str) -> None:
+        self.extra = torch.nn.Linear(3, 3)
+
+
+def test_layers_built_in_setup_are_named_where_their_weights_cannot_be_handed_back() -> None:
+    """Forked ranks hand their weights back to this process's model, which has no `extra`: Lightning
+    loads them leniently, and the loss is said, with what to do."""
+    model = BuildsInSetup()
+    with pytest.warns(UserWarning, match=r"`BuildsInSetup` in this process has no \['extra.weight', 'extra.bias'\]"):
+        trainer(hetero(cpu_fraction=0.5), max_steps=1).fit(model, regression_data())
+    assert not hasattr(model, "extra")
 
 
 class LazyMadeInConfigureModel(Net):
