@@ -384,7 +384,8 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS re-evaluates the loss inside `optimizer.step` and treats all parameters as one vector,"
-                " which the hetero strategy cannot split between stages. Use a first-order optimizer."
+                " which the hetero strategy cannot split between its workers (each computes a share of the batch,"
+                " and a pipeline's stages hold parts of the model). Use a first-order optimizer."
             )
         # State an optimizer made in its constructor (Adagrad's sums) for the layers other stages
         # hold is on the meta device with them: those stages keep it, not this one.
