@@ -266,6 +266,11 @@ class _Processes(_MultiProcessingLauncher):
                 error.add_note(self._strategy.describe_rank())
             if isinstance(error, KeyboardInterrupt):  # torch's wrapper would end the process quietly, code 0
                 raise RuntimeError("[hetero] This rank was interrupted (KeyboardInterrupt).") from error
+            if isinstance(error, SystemExit):  # so would `sys.exit(0)`, which only a finished rank may seem to do
+                raise RuntimeError(
+                    f"[hetero] This rank left the trainer call by `sys.exit({error.code})` while the others ran on; end a"
+                    " run early on every rank alike (`trainer.should_stop = True` everywhere)."
+                ) from error
             raise
         finally:
             _finish_wandb_run(failed)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,11 +148,11 @@ class Fault(L.Callback):
     """Makes global rank ``rank`` fail in the middle of training step ``step`` (fault-injection tests):
     in the forward of the first layer with parameters it holds, the process kills itself with
     SIGKILL (``how="kill"``), raises ``RuntimeError("injected fault")`` (``"raise"``) or
-    ``KeyboardInterrupt`` (``"interrupt"``), or hangs (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only.
+    ``KeyboardInterrupt`` (``"interrupt"``), leaves by ``sys.exit(0)`` (``"exit"``), or hangs (``"hang"``). With ``once``, a marker file there makes it fail on the first attempt only.
     With ``at_start``, it fails as the step starts instead (a CPU worker with no share runs no forward)."""
 
     def __init__(
-        self, rank: int, step: int, how: Literal["kill", "raise", "interrupt", "hang"], once: Path | None = None, at_start: bool = False
+        self, rank: int, step: int, how: Literal["kill", "raise", "interrupt", "exit", "hang"], once: Path | None = None, at_start: bool = False
     ) -> None:
         self.rank, self.step, self.how, self.once, self.at_start = rank, step, how, once, at_start
 
@@ -174,6 +175,8 @@ class Fault(L.Callback):
             signal.pause()  # woken only by a signal: the launcher's kill
         if self.how == "interrupt":
             raise KeyboardInterrupt
+        if self.how == "exit":
+            sys.exit(0)
         raise RuntimeError("injected fault")
 
 

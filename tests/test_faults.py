@@ -83,10 +83,11 @@ def assert_resumes_exactly(ckpt_dir: Path, reference: dict, at_step: int, mode: 
         (2, "raise", "coarse", "RuntimeError: injected fault", 0.5),
         (0, "raise", "fine", "RuntimeError: injected fault", 0.5),
         (1, "interrupt", "coarse", "This rank was interrupted (KeyboardInterrupt)", 0.5),
+        (1, "exit", "coarse", "This rank left the trainer call by `sys.exit(0)`", 0.5),
     ],
     ids=[
         "cpu-worker-killed", "idle-cpu-worker-killed", "stage-killed-fine", "exception-on-stage", "exception-on-cpu-worker-fine",
-        "interrupted-stage",
+        "interrupted-stage", "stage-left-by-sys-exit",
     ],
 )
 def test_a_failed_rank_ends_the_run_promptly_and_the_run_resumes_exactly(
