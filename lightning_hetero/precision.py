@@ -59,7 +59,13 @@ class HeteroPrecision(Precision):
         if isinstance(plugin, HeteroPrecision):
             return plugin
         precision = getattr(plugin, "precision", type(plugin).__name__)
-        if type(plugin) not in _KINDS or precision not in SUPPORTED:
+        if type(plugin) not in _KINDS:
+            raise ValueError(
+                f"The hetero strategy runs precision plugins of its own, one for each of Lightning's"
+                f" ({', '.join(k.__name__ for k in _KINDS)}), and `{type(plugin).__name__}` is none of them: what it"
+                f" changes would be lost. Pass `Trainer(precision=...)` one of {', '.join(map(repr, SUPPORTED))} instead."
+            )
+        if precision not in SUPPORTED:
             raise ValueError(
                 f"The hetero strategy does not support {precision!r} precision: float16 mixed precision needs a"
                 f" loss scale agreed between all workers. Use {', '.join(map(repr, SUPPORTED))}."

@@ -19,6 +19,7 @@ from unittest import mock
 import lightning as L
 from lightning.pytorch.callbacks import BackboneFinetuning, BatchSizeFinder, EMAWeightAveraging, ModelPruning
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.tuner import Tuner
 import numpy as np
 import pytest
@@ -93,6 +94,10 @@ class OwnCallbacks(Net):
 
     def configure_callbacks(self) -> list:
         return self.own
+
+
+class OwnDoublePrecision(DoublePrecision):
+    """A user's variant of one of Lightning's precision plugins."""
 
 
 class TwoOptimizers(Net):
@@ -458,6 +463,11 @@ CASES = {
         lambda _: fit(data=L.LightningDataModule.from_datasets(TensorDataset(X, Y, torch.randn(12)), batch_size=4)),
         "expects every batch to be a pair `(inputs, targets)`, but got a list of length 3",
         in_run=True,
+    ),
+    "precision-plugin-of-ones-own": Bad(
+        lambda _: trainer(hetero(), plugins=[OwnDoublePrecision()], precision=None),
+        "The hetero strategy runs precision plugins of its own, one for each of Lightning's (Precision, DoublePrecision,"
+        " HalfPrecision, MixedPrecision), and `OwnDoublePrecision` is none of them",
     ),
     "two-optimizers": Bad(
         lambda _: fit(TwoOptimizers(), hetero(cpu_fraction=0.5, timeout=60)),
