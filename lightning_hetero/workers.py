@@ -743,9 +743,11 @@ class StageWorker(Worker):
     def _replay(self, method: str, share: Any, rest: tuple, outputs: Any, shares: Shares) -> tuple[WorkerReport, Any]:
         """Run the module's ``method`` on the share with ``forward`` answering with the pipeline's outputs."""
         calls = []
+        kinds = sorted({"cpu", self.pipeline.device.type})
+        stages = _autocast_state(kinds)  # what the stages computed under: the strategy's precision
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            calls.append(1)
+            calls.append(_autocast_state(kinds))
             return outputs
 
         self.module.forward = forward  # type: ignore[method-assign]
@@ -761,7 +763,26 @@ class StageWorker(Worker):
                 " needs it to compute its outputs with exactly one `self(inputs)` call, which the pipeline answers"
                 " on its stages."
             )
+        if calls[0] != stages:
+            raise ValueError(
+                f"`{type(self.module).__name__}.{method}` calls the model under `torch.autocast` of its own"
+                f" ({_describe_autocast(kinds, calls[0])}, where the Trainer's precision computes"
+                f" {_describe_autocast(kinds, stages)}), but a pipeline's stages compute its blocks outside the step"
+                " method, under the Trainer's precision: their share of every batch would be computed at another"
+                " precision than the step asks for. Use `Trainer(precision='bf16-mixed')`, which autocasts every"
+                " stage, or train the model as replicas (`parallelism='replicas'`)."
+            )
         return report, output
+
+
+def _autocast_state(kinds: Sequence[str]) -> tuple:
+    """Whether autocast is on for each device type of ``kinds``, and to which dtype."""
+    return tuple((torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds)
+
+
+def _describe_autocast(kinds: Sequence[str], state: tuple) -> str:
+    on = [f"{str(dtype).removeprefix('torch.')} on {kind}" for kind, (enabled, dtype) in zip(kinds, state) if enabled]
+    return ", ".join(on) if on else "no autocast"
 
 
 def check_same_loss(model: str, report: WorkerReport) -> None:

@@ -100,6 +100,16 @@ class OwnDoublePrecision(DoublePrecision):
     """A user's variant of one of Lightning's precision plugins."""
 
 
+class AutocastInStep(Net):
+    """A step that computes the model under an autocast of its own."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self(x)
+        return self.pipeline_loss(out.float(), y)
+
+
 class TwoOptimizers(Net):
     def configure_optimizers(self) -> list:
         first, rest = list(self.parameters())[:2], list(self.parameters())[2:]
@@ -468,6 +478,13 @@ CASES = {
         lambda _: trainer(hetero(), plugins=[OwnDoublePrecision()], precision=None),
         "The hetero strategy runs precision plugins of its own, one for each of Lightning's (Precision, DoublePrecision,"
         " HalfPrecision, MixedPrecision), and `OwnDoublePrecision` is none of them",
+    ),
+    "autocast-in-the-step-of-a-pipeline": Bad(
+        lambda _: fit(AutocastInStep(), hetero(cpu_fraction=0.5, timeout=60), precision="32-true"),
+        "`AutocastInStep.training_step` calls the model under `torch.autocast` of its own (bfloat16 on cpu, where the"
+        " Trainer's precision computes no autocast), but a pipeline's stages compute its blocks outside the step method",
+        in_run=True,
+        rank="global rank 2 (stage1",
     ),
     "two-optimizers": Bad(
         lambda _: fit(TwoOptimizers(), hetero(cpu_fraction=0.5, timeout=60)),
