@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_hetero.callbacks import AdaptiveRebalancer, UtilizationMonitor
+from lightning_hetero.callbacks import monitor as monitor_module
 from lightning_hetero.callbacks.monitor import _flatten, chrome_trace, device_fractions, utilization_image
 from lightning_hetero.record import StepRecord
 from tests.conftest import hetero, trainer
@@ -97,6 +98,17 @@ def test_device_replicas_each_count_their_own_part(tmp_path: Path) -> None:
     (last,) = [row for row in rows if "throughput/samples_per_s" in row and int(row["step"]) == 4]
     parts = sum(last[f"util/{d}/samples_per_s"] for d in ("cpu0", "replica0", "replica1"))
     assert last["throughput/samples_per_s"] == pytest.approx(parts, rel=0.25)
+
+
+def test_the_summary_says_where_the_cpu_had_no_share_of_any_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of one sample go whole to the pipeline at any CPU fraction: the summary says the CPU
+    workers had none, not that there were no batches without their share to compare with."""
+    said = tmp_path / "said.txt"
+    monkeypatch.setattr(monitor_module, "rank_zero_info", lambda text: said.write_text(text))  # the forked ranks' too
+    monitor = UtilizationMonitor(every_n_steps=2)
+    strategy = hetero(cpu_fraction=0.3, micro_batches=1)
+    trainer(strategy, tmp_path, max_steps=4, callbacks=[monitor]).fit(Net(), regression_data(n=8, batch_size=1))
+    assert said.read_text().endswith("the CPU workers had no share of any batch.")
 
 
 def test_device_stats_monitor_shows_every_device(tmp_path: Path) -> None:

@@ -373,7 +373,8 @@ class UtilizationMonitor(L.Callback):
             fraction=strategy.cpu_fraction,
             gain=cpu_gain(fractions, walls, sizes, settle=_SETTLE),
             cpu_workers=topology.cpu_workers,
-            cpu_shared=any(fraction > 0 for fraction in fractions),
+            # Batches too small to split leave the CPU workers none at any fraction.
+            cpu_shared=any(t.samples for role, t in zip(roles, totals) if role.is_cpu_worker),
         )
         rank_zero_info("hetero: what each device did in this run\n" + self.summary.table())
         image = summary_image(devices, step)
