@@ -293,22 +293,37 @@ class _Processes(_MultiProcessingLauncher):
             module = trainer.lightning_module
             module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
             trainer.strategy.precision_plugin.convert_module(module)
-            _warn_of_weights_not_taken(module, worker_output.weights_path)
+            with _weights_not_taken_named(module):
+                super()._recover_results_in_main_process(worker_output, trainer)
+            return
         super()._recover_results_in_main_process(worker_output, trainer)
 
 
-def _warn_of_weights_not_taken(module: LightningModule, path: str) -> None:
+@contextmanager
+def _weights_not_taken_named(module: LightningModule) -> Iterator[None]:
     """Lightning loads the trained weights into this process's model leniently (its layers may differ
-    from the ranks'): say which the model here has no place for, which would be lost without a word."""
-    trained = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    lost = [name for name in trained if name not in module.state_dict()]
-    if lost:
-        warnings.warn(
-            f"`{type(module).__name__}` in this process has no {lost[:5]}{' ...' if len(lost) > 5 else ''}, which the"
-            " strategy's processes trained: layers built in `setup` (or another hook that runs only there) exist only"
-            " in them, and their weights are not handed back. Build layers in `__init__` or `configure_model`,"
-            " which this process runs too, or use `start_method='popen'`, where this process is rank 0."
-        )
+    from the ranks'), through the run's checkpoint IO: say which the model here has no place for,
+    which would be lost without a word."""
+    load = module.load_state_dict
+
+    def told(*args: Any, **kwargs: Any) -> Any:
+        result = load(*args, **kwargs)
+        lost = result.unexpected_keys
+        if lost:
+            warnings.warn(
+                f"`{type(module).__name__}` in this process has no {lost[:5]}{' ...' if len(lost) > 5 else ''}, which"
+                " the strategy's processes trained: layers built in `setup` (or another hook that runs only there)"
+                " exist only in them, and their weights are not handed back. Build layers in `__init__` or"
+                " `configure_model`, which this process runs too, or use `start_method='popen'`, where this process is"
+                " rank 0."
+            )
+        return result
+
+    module.load_state_dict = told  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.load_state_dict
 
 
 def _model_callbacks(model: LightningModule) -> list:

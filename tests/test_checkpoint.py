@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from tests.conftest import hetero, max_param_diff, trainer
@@ -76,3 +77,30 @@ def test_load_from_checkpoint(tmp_path: Path) -> None:
     loaded = Net.load_from_checkpoint(tmp_path / "step=4.ckpt")
     # `Net()` builds float32 parameters, into which the float64 checkpoint loads rounded.
     assert max_param_diff(trained.float(), loaded) == 0
+
+
+class ElsewhereIO(TorchCheckpointIO):
+    """A checkpoint IO of one's own: every file under another name."""
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, f"{path}.elsewhere", storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict:
+        return super().load_checkpoint(f"{path}.elsewhere", map_location, weights_only=False)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        super().remove_checkpoint(f"{path}.elsewhere")
+
+
+def test_a_checkpoint_io_of_ones_own_writes_and_hands_back_the_weights(tmp_path: Path, reference: Net) -> None:
+    """The weights the forked ranks hand back go through the run's checkpoint IO, as its checkpoints
+    do, and resuming reads one through it."""
+    model = Net(optimizer="adamw").double()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4)
+    t = trainer(hetero(cpu_fraction=0.5), max_steps=4, callbacks=[checkpoint], enable_checkpointing=True, plugins=[ElsewhereIO()])
+    t.fit(model, regression_data())
+    assert [p.name for p in tmp_path.iterdir()] == ["step=4.ckpt.elsewhere"]
+    resumed = Net(optimizer="adamw").double()
+    t = trainer(hetero(cpu_fraction=0.5), max_steps=8, plugins=[ElsewhereIO()])
+    t.fit(resumed, regression_data(), ckpt_path=tmp_path / "step=4.ckpt")
+    assert max_param_diff(reference, resumed) < TOL
