@@ -336,7 +336,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         assert self.accelerator is not None and self.lightning_module is not None and self._groups is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        self._engine = self._engine or self._place(module)
+        if self._engine is None or self._engine.worker.module is not module:
+            # A later call of this process (popen, torchrun) with another model object (one loaded from
+            # a checkpoint to predict with) places that one: the engine holds the model it placed.
+            self._engine = self._place(module)
         self._engine.worker.on_setup()
         pids: list[Any] = [None] * dist.get_world_size(self._groups.node)
         dist.all_gather_object(pids, os.getpid(), group=self._groups.node)

@@ -715,8 +715,19 @@ class StageWorker(Worker):
     @override
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         # The other stages' blocks are on the meta device here: take only this stage's entries.
-        meta = {k for k, v in self.module.state_dict().items() if torch.is_tensor(v) and v.is_meta}
-        self.module.load_state_dict({k: v for k, v in state_dict.items() if k not in meta}, strict=False)
+        # Strict loading still holds the checkpoint to the whole model, as one process would.
+        own = self.module.state_dict()
+        meta = {k for k, v in own.items() if torch.is_tensor(v) and v.is_meta}
+        held = {k: v for k, v in state_dict.items() if k not in meta}
+        unexpected = self.module.load_state_dict(held, strict=False).unexpected_keys
+        missing = [k for k in own if k not in state_dict]
+        if strict and (missing or unexpected):
+            said = []  # in torch's own words (`nn.Module.load_state_dict`)
+            for what, keys in (("Missing", missing), ("Unexpected", unexpected)):
+                if keys:
+                    quoted = ", ".join(f'"{k}"' for k in keys)
+                    said.append(f"{what} key(s) in state_dict: {quoted}. ")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" + "\n\t".join(said))
 
     @override
     def note(self) -> str:

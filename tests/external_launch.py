@@ -26,7 +26,11 @@ the script saves OUT_DIR/after_fit.ckpt with `trainer.save_checkpoint` right aft
 ranks also do with `--checkpoint-after-exit`); `--new-trainer` validates and predicts after fit with a new Trainer and
 strategy, made as the first ones were. `--fail-before-fit LOCAL_RANK` makes that rank raise
 before it makes its Trainer. `--lr-find` runs `Tuner(trainer).lr_find` (`LR_FIND`) before fit, and
-every rank writes what it found to OUT_DIR/lr_find{N}.json.
+every rank writes what it found to OUT_DIR/lr_find{N}.json. `--another-model` then validates and
+predicts with another model object (`Net(seed=7)`, as one loaded from a checkpoint to predict with
+would be) on the same Trainer; rank 0 writes its predictions to OUT_DIR/another.pt. `--strict` then
+validates from a checkpoint that lacks a weight of the last block (strict loading must refuse it
+on every rank, as in one process); every rank writes what it raised to OUT_DIR/strict{N}.txt.
 `--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
 step STEP, each at its own point of the step (`tests.conftest.SelfSignal`); each rank writes its
 global step after every batch to OUT_DIR/step{N}.txt; an `OnExceptionCheckpoint` writes OUT_DIR/on_exception.ckpt.
@@ -59,6 +63,9 @@ from tests.conftest import Fault, OptimizerMemory, SelfSignal, hetero, trainer  
 from tests.models import BatchNormNet, Net, TiedNet, regression_data  # noqa: E402
 
 
+ANOTHER = regression_data(n=10, batch_size=5, seed=4)
+"""What ``--another-model`` predicts on."""
+
 LR_FIND = dict(num_training=6, early_stop_threshold=None, update_attr=False)
 """The learning rate finder's arguments (``--lr-find``): a few steps, every one of them kept."""
 
@@ -86,6 +93,8 @@ def main() -> None:
     parser.add_argument("--fail-before-fit", type=int, help="this local rank raises before the Trainer is made")
     parser.add_argument("--checkpoint-after-exit", action="store_true", help="the others save a checkpoint anyway")
     parser.add_argument("--new-trainer", action="store_true", help="validate and predict with a new Trainer after fit")
+    parser.add_argument("--another-model", action="store_true", help="validate and predict with another model after it all")
+    parser.add_argument("--strict", action="store_true", help="validate from a checkpoint that lacks a weight")
     parser.add_argument("--model", choices=["net", "tied", "replicas", "batchnorm"], default="net")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--shard-across-nodes", action="store_true")
@@ -155,6 +164,22 @@ def main() -> None:
         torch.save(held, args.out_dir / "state.pt")
         (args.out_dir / "environment.txt").write_text(type(t.strategy.cluster_environment).__name__)
         (args.out_dir / "predicted.txt").write_text(str(sum(len(p) for p in predicted)))
+    if args.another_model:
+        other = Net(seed=7).to(next(model.parameters()).dtype)
+        t.validate(other, regression_data(n=20, seed=3), verbose=False)
+        predicted = t.predict(other, ANOTHER)
+        if t.global_rank == 0:
+            torch.save(torch.cat(predicted), args.out_dir / "another.pt")
+    if args.strict:
+        lacking = torch.load(args.out_dir / "after_fit.ckpt", weights_only=False)
+        del lacking["state_dict"]["layers.4.weight"]
+        torch.save(lacking, args.out_dir / f"lacking{t.global_rank}.ckpt")
+        try:
+            t.validate(model, regression_data(n=20, seed=3), ckpt_path=args.out_dir / f"lacking{t.global_rank}.ckpt", verbose=False)
+            raised = "nothing"
+        except RuntimeError as error:
+            raised = str(error)
+        (args.out_dir / f"strict{t.global_rank}.txt").write_text(raised)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from tests.conftest import TIMEOUT, RecordCopies, assert_copies_identical, hetero, max_param_diff, trainer
 from tests.models import BatchNormNet, Net, TiedNet, regression_data
+from tests.external_launch import ANOTHER
 
 TOL = 1e-10
 SCRIPT = Path(__file__).with_name("external_launch.py")
@@ -290,6 +291,22 @@ def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Pa
     assert done.returncode != 0
     assert "since the previous one global rank 2 (stage1" in done.stderr and "exited with code 3." in done.stderr
     assert time.perf_counter() - started < TIMEOUT
+
+
+def test_a_later_call_with_another_model_object_runs_that_model(tmp_path: Path) -> None:
+    """popen: each process keeps its strategy between trainer calls; a call with another model object
+    (one loaded from a checkpoint to predict with) places and runs that one, not the first call's."""
+    popen(tmp_path, "--another-model")
+    expected = Net(seed=7)(ANOTHER.dataset.tensors[0]).detach()
+    assert torch.allclose(torch.load(tmp_path / "another.pt").float(), expected, atol=1e-6)
+
+
+def test_strict_loading_in_a_later_call_holds_every_rank_to_the_whole_model(tmp_path: Path) -> None:
+    """popen: in a later call a stage takes only its own blocks' entries of a checkpoint, and strict
+    loading still refuses one that lacks a weight, on every rank, as one process does."""
+    popen(tmp_path, "--strict")
+    for rank in range(3):
+        assert 'Missing key(s) in state_dict: "layers.4.weight"' in (tmp_path / f"strict{rank}.txt").read_text(), rank
 
 
 def test_a_new_trainer_after_fit_runs_in_the_same_processes(tmp_path: Path, reference: dict) -> None:
