@@ -29,8 +29,16 @@ from typing_extensions import override
 __all__ = ["atomic_write", "AtomicCheckpointIO", "PARTIAL_SUFFIX"]
 
 PARTIAL_SUFFIX = ".partial"
-"""How a file being written is named (``.NAME.<pid>.<token>.partial``, hidden, beside NAME); one
-left behind by a killed process is never read, and may be deleted."""
+"""How a file being written is named (``partial_path``); one left behind by a killed process is
+never read, and may be deleted."""
+
+
+def partial_path(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``.NAME.<pid>.<token>.partial``,
+    hidden, beside it, with NAME's underscores made dashes. Lightning finds the newest of a folder's
+    ``hpc_ckpt_<n>.ckpt`` by the digits of every name that holds ``hpc_ckpt_``, and so would take one
+    left by a killed process for a checkpoint (and fail to resume from it)."""
+    return path.with_name(f".{path.name.replace('_', '-')}.{os.getpid()}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
 
 
 @contextmanager
@@ -44,7 +52,7 @@ def atomic_write(path: Union[str, Path], mode: str = "wb") -> Iterator[IO[Any]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     # A name of our own (not `tempfile.mkstemp`, which creates it readable by its owner only): the
     # file gets the permissions any new file gets here.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
+    partial = partial_path(path)
     try:
         with open(partial, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f

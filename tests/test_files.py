@@ -10,8 +10,9 @@ import torch
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 from lightning_hetero import HeteroPlan
-from lightning_hetero.files import PARTIAL_SUFFIX, AtomicCheckpointIO, atomic_write
+from lightning_hetero.files import PARTIAL_SUFFIX, AtomicCheckpointIO, atomic_write, partial_path
 from tests.conftest import hetero, trainer
+from tests.models import Net, regression_data
 
 
 def test_a_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
@@ -32,6 +33,19 @@ def test_a_written_file_is_an_ordinary_file(tmp_path: Path) -> None:
     assert torch.equal(torch.load(tmp_path / "deep" / "x.ckpt")["a"], torch.ones(2))
     assert os.stat(tmp_path / "deep" / "x.ckpt").st_mode == os.stat(tmp_path / "plain").st_mode
     assert not list(tmp_path.rglob(f"*{PARTIAL_SUFFIX}"))
+
+
+def test_a_partial_file_left_beside_hpc_checkpoints_is_not_taken_for_one(tmp_path: Path) -> None:
+    """A killed process's partial `hpc_ckpt_2.ckpt` beside a whole `hpc_ckpt_1.ckpt`: a SLURM
+    requeue's `ckpt_path="hpc"` resumes from the whole one (Lightning reads the digits of every name
+    holding `hpc_ckpt_`)."""
+    first = trainer(None, max_steps=2)
+    first.fit(Net(), regression_data())
+    first.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")
+    partial_path(tmp_path / "hpc_ckpt_2.ckpt").write_bytes(b"half a checkpoint")
+    resumed = trainer(None, max_steps=3, default_root_dir=tmp_path)
+    resumed.fit(Net(), regression_data(), ckpt_path="hpc")
+    assert resumed.global_step == 3
 
 
 def test_only_new_files_are_written(tmp_path: Path) -> None:
