@@ -238,8 +238,11 @@ class _Block(nn.Module):
         self.params = nn.ParameterList(params)
 
 
-def check_model_contract(model: nn.Module) -> list[nn.Module]:
-    """Return ``model.pipeline_layers()`` after checking the contract; raise a clear error otherwise."""
+def check_model_contract(model: nn.Module, pipeline: bool = True) -> list[nn.Module]:
+    """Return ``model.pipeline_layers()`` after checking the contract; raise a clear error otherwise.
+    ``pipeline=False``: only what blocks are (for replicas, which profile a model's blocks but run
+    its own step), leaving out what only a pipeline needs (no `backward` of its own, no running
+    statistics in a block)."""
     name = type(model).__name__
     hint = (
         "Define `pipeline_layers()` (the model as an ordered list of blocks) and `pipeline_loss(output, target)`"
@@ -250,7 +253,7 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
         if not _defines(model, method):
             raise TypeError(f"`{name}` does not follow the hetero model contract: it has no `{method}()`. {hint}")
     _check_training(model)
-    if isinstance(model, LightningModule) and is_overridden("backward", model):
+    if pipeline and isinstance(model, LightningModule) and is_overridden("backward", model):
         raise ValueError(
             f"`{name}` overrides `backward`, which a pipeline cannot call: its stages run the backward of"
             " `pipeline_loss` micro-batch by micro-batch (torch's schedule). Train it as replicas"
@@ -283,7 +286,7 @@ def check_model_contract(model: nn.Module) -> list[nn.Module]:
             raise ValueError(f"`{name}.pipeline_layers()` lists the same module twice (index {i}).")
         seen.add(id(layer))
         stats = [type(m).__name__ for m in layer.modules() if _running_stats(m)]
-        if stats:
+        if stats and pipeline:
             raise ValueError(
                 f"`{name}.pipeline_layers()[{i}]` contains {stats[0]} with running statistics, which a pipeline"
                 " does not keep between its workers. Train it as replicas (`parallelism='replicas'`: BatchNorm"

@@ -29,8 +29,9 @@ from lightning_hetero.planner import main as planner_main
 from lightning_hetero.planner import predict_plan
 from lightning_hetero.profiling import Profile
 from tests.conftest import TIMEOUT, hetero, max_param_diff, trainer
-from tests.models import Net, column, read_metrics, regression_data
+from tests.models import BatchNormNet, Net, column, read_metrics, regression_data
 from tests.test_equivalence import STEPS, assert_same_run
+from tests.test_replicas import assert_same_run as assert_same_replicas_run
 
 
 WARMUP = 5  # the analyzer's warm-up steps in these tests (the equivalence runs take STEPS)
@@ -216,6 +217,17 @@ def test_a_run_of_replicas_is_planned_from_its_blocks(tmp_path: Path, mode: str)
     assert HeteroPlan.load(tmp_path / "hetero" / "plan_pipeline.yaml").parallelism == "pipeline"
     explained = (tmp_path / "hetero" / "explain.txt").read_text()
     assert "every device" in explained and "parallelism='pipeline' (the blocks cut into stages)" in explained
+
+
+def test_replicas_of_a_model_that_cannot_be_a_pipeline_are_planned(tmp_path: Path) -> None:
+    """A model that offers blocks but has BatchNorm (whole-batch statistics): its replicas are planned
+    from its blocks, no pipeline is weighed beside them, and the run is one process's."""
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=WARMUP, measure_steps=1)
+    strategy = hetero(stages=["cpu", "cpu"], parallelism="replicas", cpu_fraction=0.5)
+    assert_same_replicas_run(tmp_path, strategy, BatchNormNet, callbacks=[analyzer], sync_batchnorm=True)
+    assert HeteroPlan.load(tmp_path / "hetero" / "plan.yaml").parallelism == "replicas"
+    assert not (tmp_path / "hetero" / "plan_pipeline.yaml").exists()
+    assert "parallelism='pipeline'" not in (tmp_path / "hetero" / "explain.txt").read_text()
 
 
 def test_a_model_without_blocks_keeps_its_layout(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -137,6 +138,8 @@ class WorkloadAnalyzer(L.Callback):
         self.save_dir = save_dir
         self.plan: Optional[HeteroPlan] = None
         self.prediction: Optional[Prediction] = None
+        self._pipelines = True
+        """Whether the model could train as a pipeline (a run of replicas weighs one beside it only then)."""
         self.alternative: Optional[tuple[HeteroPlan, Prediction]] = None
         """The best layout of the other parallelism (replicas beside a pipeline, or the reverse) for
         the same run, and its prediction, where one fits."""
@@ -211,8 +214,14 @@ class WorkloadAnalyzer(L.Callback):
         self.prediction = self.profile = self.measured_step_s = None
         self._calibrated, self._steps, self._planned = False, [], True
         module = trainer.lightning_module
+        self._pipelines = True
         if strategy.plan.parallelism == "replicas":
-            layers = check_model_contract(module)  # replicas hold parameter blocks; the model's own blocks run
+            # Replicas hold parameter blocks; the model's own blocks are profiled (a pipeline's rules aside).
+            layers = check_model_contract(module, pipeline=False)
+            try:
+                check_model_contract(module)
+            except (TypeError, ValueError):
+                self._pipelines = False  # BatchNorm, a `backward` of its own: no pipeline to weigh beside
         batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
         mine = self._measure(strategy, module, layers, *pipeline_pair(module, batch), batch_size)
@@ -241,7 +250,9 @@ class WorkloadAnalyzer(L.Callback):
     ) -> dict[str, Any]:
         """This rank's share of the profile: its device's layer times, and the links it is on."""
         device, role = strategy.root_device, strategy.role
-        sizes = (max(1, batch_size // self.max_micro_batches), batch_size)
+        # BatchNorm (replicas) cannot normalize a lone sample by its own statistics in training.
+        fewest = min(batch_size, 2 if any(isinstance(m, _BatchNorm) for layer in layers for m in layer.modules()) else 1)
+        sizes = (max(fewest, batch_size // self.max_micro_batches), batch_size)
         optimizer = _init_optimizers_and_lr_schedulers(module)[0]
         optimizer = optimizer[0] if optimizer else None
         shapes = [p.shape for layer in layers for p in layer.parameters() if p.requires_grad]
@@ -461,7 +472,7 @@ class WorkloadAnalyzer(L.Callback):
             require=strategy.plan.parallelism,
         )
         plan, prediction = layouts.pop(strategy.plan.parallelism)
-        self.alternative = next(iter(layouts.values()), None)
+        self.alternative = next(iter(layouts.values()), None) if self._pipelines else None
         self.loading = self._measure_loading(trainer, strategy, plan, prediction, cores)
         if self.loading is not None:
             split = self.loading[1]
