@@ -693,6 +693,13 @@ def plan_run(
             f" {len(profile.layers)}: use at most {len(profile.layers)} stages, or replicas."
         )
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers))
+    if not candidates:  # a schedule named with more stages than the model has blocks
+        per = min(c for _, c in schedule_candidates(schedule, stages_per_process, len(machine.stages), math.inf))
+        raise ValueError(
+            f"Schedule {schedule!r} at {per} stages per process cuts the model into {per * len(machine.stages)} stages"
+            f" over {len(machine.stages)} stage processes, and it has {len(profile.layers)} blocks: use a schedule of"
+            " one stage per process ('GPipe', '1F1B'), fewer stage processes, or a model of more blocks."
+        )
     found = []
     kept_out = False  # a zero-bubble schedule that fits only where the encoders' blocks may leave its first stage
     for name, per in candidates:
@@ -755,7 +762,10 @@ def _fastest(
     best: Optional[tuple[list[tuple[int, int]], int, int, Prediction]] = None
     processes, cls = len(machine.stages), schedule_class(schedule)
     # A pipeline of one stage runs its share in one pass (`workers.SoleStage`): no micro-batches.
-    most = 1 if processes * per_process == 1 else min(max_micro_batches, batch_size)
+    # A batch too small for the micro-batches the schedule takes runs in its fallback's order
+    # (`pipeline.fallback`), with the schedule's fewest micro-batches planned.
+    fewest = min_micro_batches(cls, processes, per_process)
+    most = 1 if processes * per_process == 1 else min(max_micro_batches, max(batch_size, fewest))
     for m in range(1, most + 1):
         if not takes(cls, processes, per_process, m):
             continue

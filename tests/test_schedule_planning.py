@@ -297,6 +297,22 @@ def test_a_schedule_named_with_stages_per_process_it_cannot_take_is_refused() ->
             schedule_candidates("ZBVZeroBubble", 3, 2, 8)
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", *[s for s in AVAILABLE if s == "DualPipeV"]])
+def test_a_batch_too_small_for_the_schedule_is_planned_in_its_fallbacks_order(schedule: str) -> None:
+    """One sample a step: fewer micro-batches than 1F1B or DualPipeV takes. The run goes in the
+    fallback's order (GPipe's, ZBVZeroBubble's), and is planned so, with the schedule named at the
+    fewest micro-batches it takes (2 for 1F1B on two stages, 4 for DualPipeV's four)."""
+    plan, prediction = plan_run(profile([0.01] * 6, stages=2), gpus(2), 1, schedule=schedule, max_micro_batches=4)
+    assert (plan.schedule, plan.micro_batches) == (schedule, 2 if schedule == "1F1B" else 4) and prediction.step_s > 0
+
+
+def test_a_schedule_named_with_more_stages_than_blocks_is_refused_for_what_it_is() -> None:
+    if "Interleaved1F1B" not in AVAILABLE:
+        pytest.skip("this torch lacks Interleaved1F1B")
+    with pytest.raises(ValueError, match="Schedule 'Interleaved1F1B' at 2 stages per process cuts the model into 4 stages over 2"):
+        plan_run(profile([0.01] * 3, stages=2), gpus(2), 16, schedule="Interleaved1F1B", max_micro_batches=4)
+
+
 def test_a_schedule_whose_order_cannot_be_read_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch whose schedule reads more of its stages than the planner gives it: the planner warns and
     weighs the others."""
