@@ -230,6 +230,26 @@ def test_replicas_of_a_model_that_cannot_be_a_pipeline_are_planned(tmp_path: Pat
     assert "parallelism='pipeline'" not in (tmp_path / "hetero" / "explain.txt").read_text()
 
 
+def test_explain_says_the_split_of_the_cores_plan_yaml_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's check of the cores' split (here: one DataLoader worker where the plan had none)
+    rewrites plan.yaml and explain.txt alike, also where the run ends before its steps are measured."""
+    from dataclasses import replace
+
+    import lightning_hetero.callbacks.analyzer as analyzer_module
+
+    split_cores = analyzer_module.split_cores
+
+    def one_worker_at_the_check(*args: Any, **kwargs: Any) -> Any:
+        split = split_cores(*args, **kwargs)
+        return split if "fixed_workers" in kwargs else replace(split, dataloader_workers=1)  # the plan's, then the check's
+
+    monkeypatch.setattr(analyzer_module, "split_cores", one_worker_at_the_check)  # the forked ranks' too
+    analyzer = WorkloadAnalyzer(repeats=1, warmup_steps=WARMUP, measure_steps=50, save_dir=str(tmp_path))
+    trainer(hetero(cpu_fraction=0.5), max_steps=WARMUP + 2, callbacks=[analyzer]).fit(Net(), regression_data())
+    assert HeteroPlan.load(tmp_path / "plan.yaml").dataloader_workers == 1
+    assert "chosen: 1 DataLoader worker(s) per rank" in (tmp_path / "explain.txt").read_text()
+
+
 def test_a_model_without_blocks_keeps_its_layout(tmp_path: Path) -> None:
     from tests.models import TwoPass
 

@@ -677,6 +677,8 @@ class WorkloadAnalyzer(L.Callback):
         directory = self._directory(trainer)  # on every rank: `trainer.log_dir` is a collective
         if trainer.is_global_zero:
             self.plan.save(directory / "plan.yaml")
+            if self.prediction is not None:  # the split chosen, as plan.yaml has it, before any step is measured
+                (directory / "explain.txt").write_text(self.explanation() + "\n")
         rank_zero_info(
             f"WorkloadAnalyzer: the cores, split for the warm-up's step ({compute * 1e3:.1f} ms of compute):"
             f" {checked.dataloader_workers} DataLoader worker(s) per rank from the next epoch; threads per CPU worker"
