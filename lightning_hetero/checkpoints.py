@@ -72,7 +72,9 @@ class StageCheckpoints:
         return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._engine is None:
+        # Lightning loads a checkpoint before `setup`: where this call's model is not placed yet (the
+        # first call, or a later one with another model object), it is whole here and loads as it is.
+        if not self._holds(self.lightning_module):
             return super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
         self._engine.worker.load_model_state(checkpoint["state_dict"], strict)
 

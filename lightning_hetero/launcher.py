@@ -308,7 +308,7 @@ def _weights_not_taken_named(module: LightningModule) -> Iterator[None]:
 
     def told(*args: Any, **kwargs: Any) -> Any:
         result = load(*args, **kwargs)
-        lost = result.unexpected_keys
+        lost = getattr(result, "unexpected_keys", ())  # a `load_state_dict` of the model's own may return nothing
         if lost:
             warnings.warn(
                 f"`{type(module).__name__}` in this process has no {lost[:5]}{' ...' if len(lost) > 5 else ''}, which"
@@ -328,10 +328,14 @@ def _weights_not_taken_named(module: LightningModule) -> Iterator[None]:
 
 def _model_callbacks(model: LightningModule) -> list:
     """The callbacks the model's ``configure_callbacks`` gives, which Lightning adds in each process
-    (so that they are checked here too, before any starts)."""
+    (so that they are checked here too, before any starts; where the hook needs the Trainer, which
+    the model has only in the processes, none)."""
     if not is_overridden("configure_callbacks", model):
         return []
-    callbacks = model.configure_callbacks()
+    try:
+        callbacks = model.configure_callbacks()
+    except Exception:  # noqa: BLE001 - a hook that reads `self.trainer`, not attached yet: the processes check it
+        return []
     return list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
 
 

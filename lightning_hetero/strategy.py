@@ -336,9 +336,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         assert self.accelerator is not None and self.lightning_module is not None and self._groups is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if self._engine is None or self._engine.worker.module is not module:
+        if not self._holds(module):
             # A later call of this process (popen, torchrun) with another model object (one loaded from
             # a checkpoint to predict with) places that one: the engine holds the model it placed.
+            self._engine = None
             self._engine = self._place(module)
         self._engine.worker.on_setup()
         pids: list[Any] = [None] * dist.get_world_size(self._groups.node)
@@ -370,6 +371,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self.setup_precision_plugin()
         # DeviceStatsMonitor logs from rank 0: every rank's stats travel with the step's results.
         self._engine.report_device_stats = any(isinstance(cb, DeviceStatsMonitor) for cb in trainer.callbacks)
+
+    def _holds(self, module: Optional[LightningModule]) -> bool:
+        """Whether this process has placed ``module`` (the model of an earlier call of the process)."""
+        return self._engine is not None and self._engine.worker.module is module
 
     def _place(self, module: LightningModule) -> StepEngine:
         """Cut the model and place this rank's part of it (once per process); its step engine."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -332,8 +333,12 @@ class Worker:
         return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite, needs_cpu_workers=shares, mesh=mesh)
 
     def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """Take this rank's part of a checkpoint's ``state_dict``."""
-        self.module.load_state_dict(state_dict, strict=strict)
+        """Take this rank's part of a checkpoint's ``state_dict``. A pipeline stage holds the other
+        stages' blocks on the meta device, and torch copies nothing into them (a no-op it warns of);
+        it checks the keys against the whole model, as for one process."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta")
+            self.module.load_state_dict(state_dict, strict=strict)
 
     def on_setup(self) -> None:
         """At the start of every trainer call, after the placement (made by the first, kept by the others)."""
@@ -713,23 +718,6 @@ class StageWorker(Worker):
         return list(self.pipeline.stage_indices)
 
     @override
-    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        # The other stages' blocks are on the meta device here: take only this stage's entries.
-        # Strict loading still holds the checkpoint to the whole model, as one process would.
-        own = self.module.state_dict()
-        meta = {k for k, v in own.items() if torch.is_tensor(v) and v.is_meta}
-        held = {k: v for k, v in state_dict.items() if k not in meta}
-        unexpected = self.module.load_state_dict(held, strict=False).unexpected_keys
-        missing = [k for k in own if k not in state_dict]
-        if strict and (missing or unexpected):
-            said = []  # in torch's own words (`nn.Module.load_state_dict`)
-            for what, keys in (("Missing", missing), ("Unexpected", unexpected)):
-                if keys:
-                    quoted = ", ".join(f'"{k}"' for k in keys)
-                    said.append(f"{what} key(s) in state_dict: {quoted}. ")
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" + "\n\t".join(said))
-
-    @override
     def note(self) -> str:
         note = " The layers of the other stages exist only on the meta device on this rank."
         if not self.pipeline.is_last:
@@ -787,12 +775,12 @@ class StageWorker(Worker):
 
 
 def _autocast_state(kinds: Sequence[str]) -> tuple:
-    """Whether autocast is on for each device type of ``kinds``, and to which dtype."""
-    return tuple((torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds)
+    """Whether autocast is on for each device type of ``kinds``, and to which dtype (where it is on)."""
+    return tuple((torch.get_autocast_dtype(k) if torch.is_autocast_enabled(k) else None) for k in kinds)
 
 
 def _describe_autocast(kinds: Sequence[str], state: tuple) -> str:
-    on = [f"{str(dtype).removeprefix('torch.')} on {kind}" for kind, (enabled, dtype) in zip(kinds, state) if enabled]
+    on = [f"{str(dtype).removeprefix('torch.')} on {kind}" for kind, dtype in zip(kinds, state) if dtype is not None]
     return ", ".join(on) if on else "no autocast"
 
 

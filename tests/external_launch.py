@@ -28,7 +28,8 @@ strategy, made as the first ones were. `--fail-before-fit LOCAL_RANK` makes that
 before it makes its Trainer. `--lr-find` runs `Tuner(trainer).lr_find` (`LR_FIND`) before fit, and
 every rank writes what it found to OUT_DIR/lr_find{N}.json. `--another-model` then validates and
 predicts with another model object (`Net(seed=7)`, as one loaded from a checkpoint to predict with
-would be) on the same Trainer; rank 0 writes its predictions to OUT_DIR/another.pt. `--strict` then
+would be) on the same Trainer, and predicts with a third loaded from the checkpoint saved after fit
+(`ckpt_path`); rank 0 writes their predictions to OUT_DIR/another.pt and another_from_checkpoint.pt. `--strict` then
 validates from a checkpoint that lacks a weight of the last block (strict loading must refuse it
 on every rank, as in one process); every rank writes what it raised to OUT_DIR/strict{N}.txt.
 `--signal NAME:STEP[:RANK]` makes every rank (or the one given) send itself that signal in training
@@ -168,8 +169,10 @@ def main() -> None:
         other = Net(seed=7).to(next(model.parameters()).dtype)
         t.validate(other, regression_data(n=20, seed=3), verbose=False)
         predicted = t.predict(other, ANOTHER)
+        loaded = t.predict(Net(seed=7).to(other.layers[0].weight.dtype), ANOTHER, ckpt_path=args.out_dir / "after_fit.ckpt")
         if t.global_rank == 0:
             torch.save(torch.cat(predicted), args.out_dir / "another.pt")
+            torch.save(torch.cat(loaded), args.out_dir / "another_from_checkpoint.pt")
     if args.strict:
         lacking = torch.load(args.out_dir / "after_fit.ckpt", weights_only=False)
         del lacking["state_dict"]["layers.4.weight"]

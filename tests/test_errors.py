@@ -18,7 +18,7 @@ from unittest import mock
 
 import lightning as L
 from lightning.pytorch.callbacks import BackboneFinetuning, BatchSizeFinder, EMAWeightAveraging, ModelPruning
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import DoublePrecision
 from lightning.pytorch.tuner import Tuner
 import numpy as np
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hetero import HeteroPlan, HeteroStrategy, PipelineModule
 from lightning_hetero.data import peek_batch
-from tests.conftest import hetero, trainer, worker_processes
+from tests.conftest import hetero, max_param_diff, trainer, worker_processes
 from tests.models import Net, regression_data
 
 
@@ -108,6 +108,30 @@ class AutocastInStep(Net):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = self(x)
         return self.pipeline_loss(out.float(), y)
+
+
+class AutocastOff(Net):
+    """A step whose autocast is switched off (an option the model offers, off here)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.float16, enabled=False):
+            out = self(x)
+        return self.pipeline_loss(out, y)
+
+
+class CallbacksFromTheTrainer(Net):
+    """`configure_callbacks` that reads the Trainer, which the model has only in the processes."""
+
+    def configure_callbacks(self) -> list:
+        return [ModelCheckpoint(every_n_train_steps=self.trainer.max_steps, dirpath=self.trainer.default_root_dir)]
+
+
+class LoadsWithoutReturning(Net):
+    """A `load_state_dict` of its own that returns nothing (the weights handed back still load)."""
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        super().load_state_dict(*args, **kwargs)
 
 
 class TwoOptimizers(Net):
@@ -655,6 +679,15 @@ def test_what_the_processes_would_accept_is_not_refused_beforehand(case: Callabl
     monkeypatch.setattr(mp, "start_processes", started)
     with pytest.raises(Started):
         case()
+
+
+@pytest.mark.parametrize(
+    "model", [AutocastOff, CallbacksFromTheTrainer, LoadsWithoutReturning], ids=["autocast-off", "callbacks-from-the-trainer", "load-returns-nothing"]
+)
+def test_what_looks_like_a_refused_case_trains(model: type, tmp_path: Path) -> None:
+    trained = model()
+    fit(trained, default_root_dir=str(tmp_path))
+    assert max_param_diff(trained, model()) > 0  # the trained weights came back
 
 
 def test_a_port_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

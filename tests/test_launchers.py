@@ -295,10 +295,14 @@ def test_a_rank_gone_after_fit_is_reported_at_the_next_trainer_call(tmp_path: Pa
 
 def test_a_later_call_with_another_model_object_runs_that_model(tmp_path: Path) -> None:
     """popen: each process keeps its strategy between trainer calls; a call with another model object
-    (one loaded from a checkpoint to predict with) places and runs that one, not the first call's."""
+    (one loaded from a checkpoint to predict with) places and runs that one, not the first call's,
+    and a `ckpt_path` given with it loads into it."""
     popen(tmp_path, "--another-model")
-    expected = Net(seed=7)(ANOTHER.dataset.tensors[0]).detach()
-    assert torch.allclose(torch.load(tmp_path / "another.pt").float(), expected, atol=1e-6)
+    inputs = ANOTHER.dataset.tensors[0]
+    assert torch.allclose(torch.load(tmp_path / "another.pt").float(), Net(seed=7)(inputs).detach(), atol=1e-6)
+    trained = Net()
+    trained.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert torch.allclose(torch.load(tmp_path / "another_from_checkpoint.pt").float(), trained(inputs).detach(), atol=1e-6)
 
 
 def test_strict_loading_in_a_later_call_holds_every_rank_to_the_whole_model(tmp_path: Path) -> None:
