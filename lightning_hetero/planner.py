@@ -693,8 +693,14 @@ def plan_run(
             f" {len(profile.layers)}: use at most {len(profile.layers)} stages, or replicas."
         )
     candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers))
+    wanted = schedule_candidates(schedule, stages_per_process, len(machine.stages), math.inf)
+    if not wanted:
+        raise ValueError(
+            f"No schedule the planner weighs runs `stages_per_process={stages_per_process}` (2 to 4 in a loop, 2 in a V);"
+            " name a schedule that takes it, or leave `stages_per_process='auto'`."
+        )
     if not candidates:  # a schedule named with more stages than the model has blocks
-        per = min(c for _, c in schedule_candidates(schedule, stages_per_process, len(machine.stages), math.inf))
+        per = min(c for _, c in wanted)
         raise ValueError(
             f"Schedule {schedule!r} at {per} stages per process cuts the model into {per * len(machine.stages)} stages"
             f" over {len(machine.stages)} stage processes, and it has {len(profile.layers)} blocks: use a schedule of"

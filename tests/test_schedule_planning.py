@@ -311,6 +311,8 @@ def test_a_schedule_named_with_more_stages_than_blocks_is_refused_for_what_it_is
         pytest.skip("this torch lacks Interleaved1F1B")
     with pytest.raises(ValueError, match="Schedule 'Interleaved1F1B' at 2 stages per process cuts the model into 4 stages over 2"):
         plan_run(profile([0.01] * 3, stages=2), gpus(2), 16, schedule="Interleaved1F1B", max_micro_batches=4)
+    with pytest.raises(ValueError, match="No schedule the planner weighs runs `stages_per_process=5`"):
+        plan_run(profile([0.01] * 12, stages=2), gpus(2), 16, schedule="auto", stages_per_process=5, max_micro_batches=4)
 
 
 def test_a_schedule_whose_order_cannot_be_read_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
