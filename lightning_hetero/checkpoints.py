@@ -10,6 +10,7 @@ The file is written whole or not at all (``files.AtomicCheckpointIO``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -72,11 +73,12 @@ class StageCheckpoints:
         return state if self.whole_model_on_rank_zero else gather_optimizer_state(state, self.control_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # Lightning loads a checkpoint before `setup`: where this call's model is not placed yet (the
-        # first call, or a later one with another model object), it is whole here and loads as it is.
-        if not self._holds(self.lightning_module):
-            return super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
-        self._engine.worker.load_model_state(checkpoint["state_dict"], strict)
+        # Lightning loads a checkpoint before `setup`. A stage placed by an earlier call of this process
+        # (popen, torchrun) holds the other stages' blocks on the meta device: torch copies nothing into
+        # them (a no-op it warns of), and checks the keys against the whole model, as for one process.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta")
+            super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):

@@ -289,14 +289,13 @@ class _Processes(_MultiProcessingLauncher):
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: "pl.Trainer") -> None:
-        if worker_output.weights_path is not None:
-            module = trainer.lightning_module
-            module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
-            trainer.strategy.precision_plugin.convert_module(module)
-            with _weights_not_taken_named(module):
-                super()._recover_results_in_main_process(worker_output, trainer)
-            return
-        super()._recover_results_in_main_process(worker_output, trainer)
+        if worker_output.weights_path is None:
+            return super()._recover_results_in_main_process(worker_output, trainer)
+        module = trainer.lightning_module
+        module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
+        trainer.strategy.precision_plugin.convert_module(module)
+        with _weights_not_taken_named(module):
+            super()._recover_results_in_main_process(worker_output, trainer)
 
 
 @contextmanager

@@ -31,8 +31,8 @@ def guard_monitored_values(
 ) -> Callable[[], None]:
     """Put the check before the saving hooks of every ``ModelCheckpoint`` with a monitor and the
     deciding hooks of every ``EarlyStopping`` (on this process's callbacks; every process does the
-    same, so each check is a collective they all reach). ``gather``: every global rank's object; ``names``: a global rank, for the message.
-    Returns what takes the checks away again."""
+    same, so each check is a collective they all reach). ``gather``: every global rank's object;
+    ``names``: a global rank, for the message. Returns what takes the checks away again."""
     guarded = []
     for callback in callbacks:
         if not isinstance(callback, (ModelCheckpoint, EarlyStopping)) or callback.monitor is None:
@@ -53,9 +53,9 @@ def _checked(callback: ModelCheckpoint | EarlyStopping, hook: Callable[..., Any]
     def checked(trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> Any:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             has = gather(callback.monitor in trainer.callback_metrics)
-            checkpoint = isinstance(callback, ModelCheckpoint)
-            what, which = ("checkpoint callbacks", "save") if checkpoint else ("early stopping", "decision")
             if any(has) and not all(has):
+                checkpoint = isinstance(callback, ModelCheckpoint)
+                what, which = ("checkpoint callbacks", "save") if checkpoint else ("early stopping", "decision")
                 missing = [names(rank) for rank, logged in enumerate(has) if not logged]
                 raise RuntimeError(
                     f"`{type(callback).__name__}(monitor={callback.monitor!r})`: {callback.monitor!r} was logged on"

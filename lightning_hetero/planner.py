@@ -692,8 +692,8 @@ def plan_run(
             f"A pipeline of {len(machine.stages)} stage processes needs a block each, and the model has"
             f" {len(profile.layers)}: use at most {len(profile.layers)} stages, or replicas."
         )
-    candidates = schedule_candidates(schedule, stages_per_process, len(machine.stages), len(profile.layers))
     wanted = schedule_candidates(schedule, stages_per_process, len(machine.stages), math.inf)
+    candidates = [(name, per) for name, per in wanted if len(machine.stages) * per <= len(profile.layers)]
     if not wanted:
         raise ValueError(
             f"No schedule the planner weighs runs `stages_per_process={stages_per_process}` (2 to 4 in a loop, 2 in a V);"

@@ -338,7 +338,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         module = self.lightning_module
         if not self._holds(module):
             # A later call of this process (popen, torchrun) with another model object (one loaded from
-            # a checkpoint to predict with) places that one: the engine holds the model it placed.
+            # a checkpoint to predict with) places that one: the engine holds the model it placed. The old
+            # engine goes first (a plan is applied only before any model is placed: `apply_plan`).
             self._engine = None
             self._engine = self._place(module)
         self._engine.worker.on_setup()

@@ -4,7 +4,7 @@ A role's class holds everything about a process that depends on what the process
 part of the model lives (``place``), what it computes of every batch (``train_step``,
 ``eval_step``), which parameters it sums with whom (``sync_buckets``, ``owns``), how its gradients
 count in the global norm (``norm_slot``), whether it keeps out of a step the CPU workers had no
-share of (``keeps_out``), how it takes its part of a checkpoint (``load_model_state``), and what it
+share of (``keeps_out``), and what it
 does when the CPU workers' replicas are brought up to date (``refresh``). The strategy and the
 step engine never ask which role a process has.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import re
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -331,14 +330,6 @@ class Worker:
         entries = [(self.sum_tied(tied[b.tied]) if b.tied else self.sum_over(params[b.index], b.stage), step_of(b)) for b in own]
         shares = sharding is not None and bool(offloaded)
         return FineSync(entries, optimizer, replica_group, norm, skip_nonfinite=skip_nonfinite, needs_cpu_workers=shares, mesh=mesh)
-
-    def load_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """Take this rank's part of a checkpoint's ``state_dict``. A pipeline stage holds the other
-        stages' blocks on the meta device, and torch copies nothing into them (a no-op it warns of);
-        it checks the keys against the whole model, as for one process."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta")
-            self.module.load_state_dict(state_dict, strict=strict)
 
     def on_setup(self) -> None:
         """At the start of every trainer call, after the placement (made by the first, kept by the others)."""

@@ -216,12 +216,13 @@ class WorkloadAnalyzer(L.Callback):
         module = trainer.lightning_module
         self._pipelines = True
         if strategy.plan.parallelism == "replicas":
-            # Replicas hold parameter blocks; the model's own blocks are profiled (a pipeline's rules aside).
-            layers = check_model_contract(module, pipeline=False)
+            # Replicas hold parameter blocks; the model's own blocks are profiled (a pipeline's rules aside:
+            # BatchNorm, a `backward` of its own leave no pipeline to weigh beside).
             try:
-                check_model_contract(module)
+                layers = check_model_contract(module)
             except (TypeError, ValueError):
-                self._pipelines = False  # BatchNorm, a `backward` of its own: no pipeline to weigh beside
+                self._pipelines = False
+                layers = check_model_contract(module, pipeline=False)
         batch = strategy.precision_plugin.convert_input(next(iter(training_loader(trainer))))
         batch_size = batch_size_of(batch)
         mine = self._measure(strategy, module, layers, *pipeline_pair(module, batch), batch_size)
