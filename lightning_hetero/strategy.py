@@ -31,7 +31,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.callbacks import BasePredictionWriter, DeviceStatsMonitor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -351,6 +351,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         _update_properties(module, device=self.root_device)
         sync_metrics_over(module, self._groups.control)
         self._copies_checked = False
+        if trainer.state.fn == TrainerFn.PREDICTING and self.local_rank != 0:
+            self._unguard = _without_prediction_writers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             names = lambda rank: self.topology.rank_name(*divmod(rank, self.topology.procs_per_node))  # noqa: E731
             self._unguard = guard_monitored_values(trainer.callbacks, self.gather, names)
@@ -586,6 +588,21 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         strategy_registry.register(
             f"{cls.strategy_name}_fine", cls, description="hetero, syncing and stepping during the backward", mode="fine"
         )
+
+
+def _without_prediction_writers(trainer: "pl.Trainer") -> Callable[[], None]:
+    """Takes the prediction writers out of a rank that is not its node's first, and returns what puts
+    them back. Each node's predictions are assembled on its first rank, and every other rank's are
+    ``None``: a writer there would write nothing, or overwrite the first rank's files with it."""
+    before = list(trainer.callbacks)
+    if not any(isinstance(c, BasePredictionWriter) for c in before):
+        return _nothing
+    trainer.callbacks = [c for c in before if not isinstance(c, BasePredictionWriter)]
+
+    def put_back() -> None:
+        trainer.callbacks = before + [c for c in trainer.callbacks if c not in before]
+
+    return put_back
 
 
 def _nothing() -> None:

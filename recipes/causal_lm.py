@@ -77,6 +77,10 @@ class CausalLM(L.LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("test_loss", self(**batch).loss, prog_bar=True)
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The most likely next token after every position of each window."""
+        return self(input_ids=batch["input_ids"]).logits.argmax(-1)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 

@@ -1,15 +1,18 @@
-"""Readers for the recipes' data files, and their shuffle."""
+"""Readers for the recipes' data files, their shuffle, and a writer of their predictions."""
 
 from __future__ import annotations
 
 import gzip
 import struct
 from pathlib import Path
+from typing import Any, Optional
 
+import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 
-__all__ = ["EpochShuffle", "read_idx", "write_idx"]
+__all__ = ["EpochShuffle", "SavePredictions", "read_idx", "write_idx"]
 
 _TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
@@ -59,3 +62,27 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
     def __iter__(self):  # type: ignore[no-untyped-def]
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class SavePredictions(BasePredictionWriter):
+    """Writes what ``predict`` returns, every batch's predictions in order, to one file for
+    ``torch.load``: ``python -m recipes.mlp predict --config configs/mlp.yaml --ckpt_path ...
+    --trainer.callbacks+=recipes.data.SavePredictions``.
+
+    Args:
+        path: the file; ``None`` writes ``predictions.pt`` in the Trainer's ``default_root_dir``.
+    """
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        super().__init__("epoch")
+        self.path = path
+
+    def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any) -> None:
+        # strategy="hetero" assembles each node's predictions on its first rank (on one node: global rank 0,
+        # the one file); a rank with a part of its own (another node's first, or each rank under DDP) writes
+        # a file named after it.
+        path = Path(self.path or Path(trainer.default_root_dir) / "predictions.pt")
+        if trainer.global_rank:
+            path = path.with_name(f"{path.stem}_{trainer.global_rank}{path.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, path)

@@ -124,6 +124,11 @@ class GPT(PipelineModule, L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_ppl)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The most likely next token after every position of each window."""
+        ids, _ = batch
+        return self(ids).argmax(-1)
+
     def _evaluate(self, batch: Any, stage: str, perplexity: Perplexity) -> None:
         ids, targets = batch
         logits = self(ids)
@@ -212,6 +217,10 @@ class TextData(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         """The held-out end of the text (``validate``'s): ``python -m recipes.gpt test --ckpt_path ...``."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out windows, whose next tokens ``python -m recipes.gpt predict --ckpt_path ...`` predicts."""
         return self.val_dataloader()
 
 

@@ -74,6 +74,11 @@ class DigitsMLP(PipelineModule, L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Each image's most likely digit."""
+        inputs, _ = batch
+        return self(inputs).argmax(-1)
+
     def _evaluate(self, batch: Any, stage: str, accuracy: MulticlassAccuracy) -> None:
         inputs, targets = batch
         logits = self(inputs)
@@ -191,6 +196,10 @@ class DigitsData(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         """The held-out images (``validate``'s): ``python -m recipes.mlp test --ckpt_path ...``."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out images, whose digits ``python -m recipes.mlp predict --ckpt_path ...`` predicts."""
         return self.val_dataloader()
 
 

@@ -116,6 +116,10 @@ class DigitCaptioner(MultimodalModule, L.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_acc)
 
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Each sample's most likely digit, from its image, its caption, or both."""
+        return self(batch).argmax(-1)
+
     def _evaluate(self, batch: dict[str, Any], stage: str, accuracy: MulticlassAccuracy) -> None:
         logits = self(batch)
         accuracy(logits, batch["label"])
@@ -315,6 +319,10 @@ class CaptionedDigits(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         """The held-out samples (``validate``'s): ``python -m recipes.multimodal test --ckpt_path ...``."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out samples, whose digits ``python -m recipes.multimodal predict --ckpt_path ...`` predicts."""
         return self.val_dataloader()
 
 

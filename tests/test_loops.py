@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint, TQDMProgressBar
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
@@ -252,6 +252,36 @@ def test_predictions_keep_their_structure_and_order() -> None:
     assert [len(b["labels"]) for b in outputs["hetero"]] == [12, 12, 2]
     for plain, het in zip(outputs["plain"], outputs["hetero"]):
         assert het["labels"] == plain["labels"] and torch.allclose(het["out"], plain["out"], atol=TOL, rtol=0)
+
+
+class FilesWriter(BasePredictionWriter):
+    """Lightning's example writer: each batch's predictions to ``<batch_idx>.pt``, and the epoch's to
+    ``predictions_<global rank>.pt``, as under DDP, where each rank writes its own part."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("batch_and_epoch")
+        self.directory = directory
+
+    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any, *args: Any) -> None:
+        torch.save(prediction, self.directory / f"{args[2]}.pt")
+
+    def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any) -> None:
+        torch.save(predictions, self.directory / f"predictions_{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("layout", [{"cpu_fraction": 0.4}, {"cpu_workers": 0}], ids=["cpu-worker", "pipeline-only"])
+def test_a_prediction_writer_writes_every_prediction_once(tmp_path: Path, layout: dict) -> None:
+    """Predictions are assembled on global rank 0 (one node): the writer writes there, and the ranks
+    whose predictions are `None` write nothing over its files."""
+    plain = trainer(None).predict(Predictor(), regression_data(n=26, seed=8))
+    t = trainer(hetero(stages=["cpu"] * 2, **layout), callbacks=[FilesWriter(tmp_path)])
+    t.predict(Predictor(), regression_data(n=26, seed=8), return_predictions=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.pt", "1.pt", "2.pt", "predictions_0.pt"]
+    epoch = torch.load(tmp_path / "predictions_0.pt", weights_only=False)
+    for i, expected in enumerate(plain):
+        for written in (torch.load(tmp_path / f"{i}.pt", weights_only=False), epoch[i]):
+            assert written["labels"] == expected["labels"]
+            assert torch.allclose(written["out"], expected["out"], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("sampling", ["shuffle", "batch-sampler", "subset", "weighted"])

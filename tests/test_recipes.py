@@ -452,3 +452,34 @@ def test_a_recipe_tests_its_checkpoint(
     checkpoint = sorted(tmp_path.rglob("*.ckpt"))[-1]
     cli = HeteroCLI(args=["test", *args[1:], "--ckpt_path", str(checkpoint)])
     assert metric in cli.trainer.callback_metrics and math.isfinite(float(cli.trainer.callback_metrics[metric]))
+
+
+@pytest.mark.parametrize(
+    "recipe,config,extra",
+    [
+        ("mlp", "mlp.yaml", []),
+        ("gpt", "gpt.yaml", ["tiny_gpt"]),
+        ("multimodal", "multimodal.yaml", ["--model.init_args.image_size", "8", "--data.init_args.image_size", "8"]),
+        ("causal_lm", "causal_lm.yaml", ["tiny_causal_lm"]),
+    ],
+)
+def test_a_recipe_predicts_with_its_checkpoint(
+    recipe: str, config: str, extra: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m recipes.<recipe> predict --ckpt_path ... --trainer.callbacks+=recipes.data.SavePredictions`
+    writes one file with the held-out data's predictions, those of the checkpoint's model in one process."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    extra = {"tiny_gpt": tiny_gpt, "tiny_causal_lm": tiny_causal_lm}[extra[0]](tmp_path) if extra[:1] in (["tiny_gpt"], ["tiny_causal_lm"]) else extra
+    args = quick(ROOT / "configs" / config, tmp_path, "--trainer.strategy.init_args.stages", "[cpu]", *extra)
+    HeteroCLI(args=args)
+    checkpoint = sorted(tmp_path.rglob("*.ckpt"))[-1]
+    written = tmp_path / "predicted.pt"
+    predicting = [*args[1:], "--trainer.precision", "64-true", "--ckpt_path", str(checkpoint)]
+    HeteroCLI(args=["predict", *predicting, "--trainer.callbacks+=recipes.data.SavePredictions", f"--trainer.callbacks.path={written}"])
+    assert [p.name for p in tmp_path.glob("predicted*.pt")] == ["predicted.pt"]
+    predictions = torch.load(written)
+    plain = HeteroCLI(args=[*predicting[:-2], "--trainer.strategy", "auto", "--trainer.devices", "1"], run=False)
+    model = type(plain.model).load_from_checkpoint(checkpoint)
+    expected = trainer(None).predict(model, datamodule=plain.datamodule)
+    assert len(predictions) == len(expected) == len(plain.datamodule.predict_dataloader())
+    assert all(torch.equal(p, e) for p, e in zip(predictions, expected))
