@@ -23,6 +23,7 @@ first, its role, and why. A process that hangs without failing is ended by the s
 
 from __future__ import annotations
 
+import ast
 import atexit
 import gc
 import logging
@@ -428,6 +429,45 @@ def _forget_compile_pools() -> None:
         cache_clear()
 
 
+def _check_main_guard(start_method: str) -> None:
+    """A spawned process imports the main script again, all of its top level: a Trainer started there,
+    outside ``if __name__ == "__main__":``, would start again in every process, which Python refuses
+    there. Said before any process starts, where the script's line shows which call it is."""
+    main = sys.modules.get("__main__")
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is getattr(main, "__dict__", None)):
+        frame = frame.f_back
+    path = getattr(main, "__file__", None)
+    if frame is None or not path or not os.path.isfile(path):
+        return  # not called from the script's top level (a function, a test, an interactive session)
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read(), path)
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    statement = next((s for s in tree.body if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
+    if statement is None or _is_main_guard(statement):
+        return
+    raise RuntimeError(
+        f"`start_method={start_method!r}` starts each process by importing your script again, and the Trainer is"
+        f" started at its top level ({path}, line {line}), which every new process would run again. Put that code"
+        ' under `if __name__ == "__main__":` (or in a function called from there), or use `start_method="fork"`'
+        ' or "popen".'
+    )
+
+
+def _is_main_guard(statement: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (either way round)."""
+    if not isinstance(statement, ast.If) or not isinstance(statement.test, ast.Compare):
+        return False
+    test = statement.test
+    sides = [test.left, *test.comparators]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return len(sides) == 2 and isinstance(test.ops[0], ast.Eq) and names == ["__name__"] and texts == ["__main__"]
+
+
 def _join(context: ProcessContext, rank_name: Callable[[int], str]) -> None:
     """Wait for every process. When one fails, stop the others (``_stop``) and raise torch's
     exception for the one that caused the failure (``_cause``): its Python error, or the signal or
@@ -719,6 +759,8 @@ class HeteroLauncher(_Launcher):
                 " set on each (docs/launching.md). Here no node rank is set, and the other nodes would be waited for"
                 " until the timeout."
             )
+        if self.start_method in ("spawn", "forkserver"):
+            _check_main_guard(self.start_method)
         model = args[0] if args and isinstance(args[0], LightningModule) else None
         if model is None and trainer is not None:
             model = trainer.lightning_module

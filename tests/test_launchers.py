@@ -35,6 +35,45 @@ def reference() -> dict:
     return model.state_dict()
 
 
+UNGUARDED = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.conftest import hetero, trainer
+from tests.models import Net, regression_data
+{guard}trainer(hetero(start_method={method!r})).fit(Net(), regression_data())
+print("trained")
+"""
+
+
+def run_script(path: Path, text: str) -> subprocess.CompletedProcess:
+    path.write_text(text)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=240, env=environment)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_script_that_starts_the_trainer_at_its_top_level_is_told_of_the_guard(tmp_path: Path, start_method: str) -> None:
+    """Each spawned process imports the script again: a fit at its top level is refused before any
+    process starts, with the line."""
+    script = tmp_path / "train.py"
+    done = run_script(script, UNGUARDED.format(root=str(Path(__file__).parent.parent), guard="", method=start_method))
+    assert done.returncode != 0
+    assert f"started at its top level ({script}, line 6)" in done.stderr and '`if __name__ == "__main__":`' in done.stderr
+    assert "exited with code" not in done.stderr and "Initializing distributed" not in done.stderr
+
+
+def test_a_script_that_starts_the_trainer_under_the_guard_is_not_refused(tmp_path: Path) -> None:
+    """The check on its own (a spawned fit under the guard trains: the spawn tests above and below)."""
+    text = (
+        "from lightning_hetero.launcher import _check_main_guard\n"
+        "def main():\n    _check_main_guard('spawn')\n"
+        "if __name__ == '__main__':\n    _check_main_guard('spawn')\n    main()\n    print('accepted')\n"
+        "for _ in range(1):\n    _check_main_guard('spawn')\n"
+    )
+    done = run_script(tmp_path / "train.py", text)
+    assert "accepted" in done.stdout and "line 9)" in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("start_method,precision", [("spawn", "32-true"), ("forkserver", "32-true")])
 def test_spawned_processes_own_their_parameters(tmp_path: Path, start_method: str, precision: str) -> None:
     """spawn/forkserver children receive the model's tensors in shared memory; each must copy them."""
