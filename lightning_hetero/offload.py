@@ -278,8 +278,10 @@ class OffloadStep(BucketStep):
         for p, master in zip(self.params, self.masters):
             if master in self.optimizer.state:
                 states[p] = dict(self.optimizer.state[master])
-                if master is not p:
-                    states[p][self.MASTER] = master.detach().clone()
+            # An optimizer that keeps no state (SGD without momentum) has stepped a master all the same:
+            # one that no longer equals its weight carries what the weight's rounding lost.
+            if master is not p and (p in states or not master.equal(p.detach().to(master.device, master.dtype))):
+                states.setdefault(p, {})[self.MASTER] = master.detach().clone()
         return states
 
     def load_state(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:

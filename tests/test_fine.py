@@ -441,9 +441,17 @@ def test_layers_added_to_the_optimizer_while_training(offload: Any) -> None:
     assert not torch.equal(plain.layers[0].weight, Net().layers[0].weight.double())  # it did train
 
 
-def test_bf16_resume_keeps_the_fp32_masters(tmp_path: Path) -> None:
+class PlainSGDNet(Net):
+    """An optimizer that keeps no state: only the masters hold what bf16 weights round away."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("model_class", [Net, PlainSGDNet], ids=["adam", "sgd-without-state"])
+def test_bf16_resume_keeps_the_fp32_masters(tmp_path: Path, model_class: type[Net]) -> None:
     def run(steps: int, ckpt: Path | None = None, callbacks: list | None = None) -> Net:
-        model = Net().bfloat16()
+        model = model_class().bfloat16()
         t = trainer(fine(cpu_fraction=0.5, offload="all"), max_steps=steps, precision="bf16-true",
                     callbacks=callbacks or [], enable_checkpointing=bool(callbacks))
         t.fit(model, regression_data(), ckpt_path=ckpt)
