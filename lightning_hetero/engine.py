@@ -197,15 +197,19 @@ class StepEngine:
         state.cpu_share |= cpu_share
         state.skip, state.fraction, state.step = False, fraction, trainer.global_step
         state.detached = self._cpu_workers > 0 and state.syncs and not state.cpu_share
+        buffers = buffer_versions(worker.module) if not self._buffers_checked else None
+        params = parameter_versions(worker.module) if buffers is not None else None
+        after: dict[str, tuple[int, int]] = {}
+        if params is not None and self.sync.overlaps and state.syncs:
+            # Fine mode steps its buckets during the backward, which writes the parameters in place:
+            # the step's own writes are those made before its first gradient (the forward's).
+            self.sync.on_first_gradient = lambda: after.update(parameter_versions(worker.module))
         consumes = state.syncs and self.sync.begin(
             worker.arrivals(shares, batch), _clipping(trainer), state.detached, not worker.keeps_out(state.detached)
         )
         own_zero_grad = is_overridden("optimizer_zero_grad", trainer.lightning_module)
         zero_grad, state.zeroes = first and not own_zero_grad, first and own_zero_grad
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
-        buffers = buffer_versions(worker.module) if not self._buffers_checked else None
-        # Fine mode steps its buckets during the backward, which writes the parameters in place.
-        params = parameter_versions(worker.module) if buffers is not None and not self.sync.overlaps else None
         try:
             worker.saw_batch("training_step", shares.batch_size, 0, loader_batch_size(trainer, "training_step"))
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
@@ -220,8 +224,8 @@ class StepEngine:
         if buffers is not None:
             self._buffers_checked = True
             _warn_of_changed_buffers(worker.module, buffers)
-        if params is not None:
-            _warn_of_changed_parameters(worker.module, params)
+        if params is not None and (after or not (self.sync.overlaps and state.syncs)):
+            _warn_of_changed_parameters(worker.module, params, after or None)
         report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
         if state.syncs:
@@ -384,11 +388,14 @@ def _warn_of_changed_buffers(module: Any, before: Mapping[str, tuple[int, int]])
         )
 
 
-def _warn_of_changed_parameters(module: Any, before: Mapping[str, tuple[int, int]]) -> None:
+def _warn_of_changed_parameters(
+    module: Any, before: Mapping[str, tuple[int, int]], after: Optional[Mapping[str, tuple[int, int]]] = None
+) -> None:
     """Once, after this process's first training step: parameters the forward or backward wrote in
     place (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks up) hold what this worker
-    saw of the batch, so the workers' copies of them part ways, and from one process's."""
-    changed = _written(before, parameter_versions(module))
+    saw of the batch, so the workers' copies of them part ways, and from one process's. ``after``:
+    the versions to compare with, where not the parameters' now."""
+    changed = _written(before, after if after is not None else parameter_versions(module))
     if changed:
         warnings.warn(
             f"`{type(module).__name__}`'s training step wrote its parameter(s) {changed} in place (as `nn.Embedding(max_norm=...)` renormalizes the rows"

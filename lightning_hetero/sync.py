@@ -206,6 +206,9 @@ class GradSync:
     """Whether buckets are summed and stepped during the backward (fine mode)."""
     needs_cpu_workers = False
     """Whether the CPU workers step for everyone (``sharding.py``), and so take part in every step."""
+    on_first_gradient: Optional[Callable[[], None]] = None
+    """Called once, as the next ``begin``'s backward gives its first gradient, before any bucket steps
+    (fine mode): the forward's writes are done, and no step has written a parameter yet."""
 
     @property
     def bucket_steps(self) -> list[BucketStep]:
@@ -484,7 +487,8 @@ class FineSync(GradSync):
         self._clip_norm = clipping[1]
         self._takes_part = takes_part
         if takes_part:
-            self._overlap.begin(arrivals, *clipping, detached=detached)
+            self._overlap.begin(arrivals, *clipping, detached=detached, on_first_gradient=self.on_first_gradient)
+        self.on_first_gradient = None
         return takes_part
 
     @override
@@ -699,9 +703,18 @@ class _Overlap:
             return set()
         return {k for k, step in enumerate(self._steps) if not isinstance(step, ShardedStep) and step.lacks_state()}
 
-    def begin(self, arrivals: Arrivals, clip_value: float | None, clip_norm: float | None, detached: bool = False) -> None:
+    def begin(
+        self,
+        arrivals: Arrivals,
+        clip_value: float | None,
+        clip_norm: float | None,
+        detached: bool = False,
+        on_first_gradient: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Arm the hooks for a backward in which each used parameter receives ``arrivals.of(p)`` gradients;
-        ``detached``: the CPU workers had no share of this optimizer step and do not sum."""
+        ``detached``: the CPU workers had no share of this optimizer step and do not sum;
+        ``on_first_gradient``: called as the first gradient arrives (``GradSync.on_first_gradient``)."""
+        self._on_first_gradient = on_first_gradient
         for k, params in enumerate(self._params):
             for p in params:  # hooks need requires_grad: a layer unfrozen since last time gets one now
                 if p.requires_grad and p not in self._hooks:
@@ -789,6 +802,9 @@ class _Overlap:
     def _arrived(self, k: int, param: nn.Parameter) -> None:
         if not self._armed:
             return
+        if self._on_first_gradient is not None:
+            first, self._on_first_gradient = self._on_first_gradient, None
+            first()
         count = self._counts.get(param, 0) + 1
         self._counts[param] = count
         expected = self._arrivals.of(param)
