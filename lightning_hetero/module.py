@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -379,10 +379,11 @@ def check_fine_clipping(model: Any) -> None:
         )
 
 
-def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> None:
+def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str, callbacks: Sequence[Any] = ()) -> None:
     """The optimizers ``configure_optimizers`` gave, for the hetero strategy in ``mode``; raise a
     clear error where they cannot train (found in each process, at setup). State made in their
-    constructors for the layers this process does not hold is dropped."""
+    constructors for the layers this process does not hold is dropped. In fine mode, the hooks of
+    the model and of the Trainer's ``callbacks`` that it does not follow as one process are named."""
     for optimizer in (getattr(o, "_optimizer", o) for o in optimizers):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -399,13 +400,22 @@ def check_optimizers(model: Any, optimizers: Sequence[Optimizer], mode: str) -> 
     check_fine_clipping(model)
     if len(optimizers) != 1:
         raise ValueError(f"Fine mode steps one optimizer bucket by bucket; `configure_optimizers` gave {len(optimizers)}.")
-    unfollowed = [f"`{hook}` {what}" for hook, what in _FINE_MODE_HOOKS.items() if is_overridden(hook, model)]
-    if unfollowed:
-        rank_zero_warn(
-            f"`{type(model).__name__}` overrides hooks that fine mode does not follow as one process does: it sums and"
-            f" steps each bucket of gradients during the backward, so {'; '.join(unfollowed)}. Use `mode='coarse'`"
-            " where a hook must see or decide the whole optimizer step (docs/fine-mode.md)."
-        )
+    owners = [(f"`{type(model).__name__}`", model, None), *((f"The callback `{type(c).__name__}`", c, Callback) for c in callbacks)]
+    for owner, hooked, parent in owners:
+        unfollowed = [f"`{hook}` {what}" for hook, what in _FINE_MODE_HOOKS.items() if _overrides(hooked, hook, parent)]
+        if unfollowed:
+            rank_zero_warn(
+                f"{owner} overrides hooks that fine mode does not follow as one process does: it sums and steps each"
+                f" bucket of gradients during the backward, so {'; '.join(unfollowed)}. Use `mode='coarse'` where a"
+                " hook must see or decide the whole optimizer step (docs/fine-mode.md)."
+            )
+
+
+def _overrides(hooked: Any, hook: str, parent: Any) -> bool:
+    """Whether a model (``parent`` None) or a callback overrides ``hook``, where it has one."""
+    if parent is None:
+        return is_overridden(hook, hooked)
+    return hasattr(parent, hook) and is_overridden(hook, hooked, parent=parent)
 
 
 _FINE_MODE_HOOKS = {
@@ -415,7 +425,10 @@ _FINE_MODE_HOOKS = {
     ),
     "optimizer_zero_grad": "runs after the buckets have consumed their gradients (none is left to keep)",
     "on_after_backward": "sees no gradients at an optimizer step's last batch (the buckets consumed them)",
-    "on_before_optimizer_step": "sees no gradients (the buckets consumed them)",
+    "on_before_optimizer_step": (
+        "runs after the buckets have stepped: it sees no gradients (the buckets consumed them), and a learning"
+        " rate set there applies from the next step"
+    ),
 }
 
 

@@ -366,7 +366,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
                         " (`torch.optim.AdamW([{'params': ..., 'lr': ...}, {'params': ..., 'lr': ...}])`)."
                     )
                 raise
-            check_optimizers(module, self.optimizers, self.mode)
+            check_optimizers(module, self.optimizers, self.mode, trainer.callbacks)
             skip = self._nonfinite == "skip"
             sync = build_sync(self._engine, self._plan, self.topology, self._groups, self.optimizers[0], skip)
             self.precision_plugin.sync = self._engine.sync = sync

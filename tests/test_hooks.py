@@ -9,10 +9,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 
+from lightning_hetero.callbacks import AdaptiveRebalancer, UtilizationMonitor
 from lightning_hetero.module import check_optimizers
 
 from tests.conftest import hetero, max_param_diff, trainer
@@ -80,13 +82,23 @@ class HooksOfTheWholeStep(Net):
 def test_fine_mode_names_the_hooks_it_does_not_follow() -> None:
     model = HooksOfTheWholeStep()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    expected = "fine mode does not follow.*`optimizer_step` runs after the buckets.*`on_before_optimizer_step` sees no gradients"
+    expected = "fine mode does not follow.*`optimizer_step` runs after the buckets.*`on_before_optimizer_step` runs after"
     with pytest.warns(UserWarning, match=expected):
         check_optimizers(model, [optimizer], "fine")
+    with pytest.warns(UserWarning, match="callback `WarmUp` overrides.*`on_before_optimizer_step`.*learning rate set there"):
+        check_optimizers(Net(), [optimizer], "fine", [WarmUp(), ModelCheckpoint()])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_optimizers(model, [optimizer], "coarse")
-        check_optimizers(Net(), [optimizer], "fine")
+        check_optimizers(model, [optimizer], "coarse", [WarmUp()])
+        check_optimizers(Net(), [optimizer], "fine", [ModelCheckpoint(), LearningRateMonitor(), AdaptiveRebalancer(), UtilizationMonitor()])
+
+
+class WarmUp(L.Callback):
+    """A warm-up written as a callback: the learning rate of each step, set before it."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (trainer.global_step + 1) / 4)
 
 
 class TrainsAPartByHand(ZeroesInPlace):
