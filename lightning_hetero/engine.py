@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hetero.data import loader_batch_size
@@ -51,7 +53,7 @@ from lightning_hetero.shares import Shares
 from lightning_hetero.signals import StepSignals
 from lightning_hetero.sync import Clipping, GradSync
 from lightning_hetero.topology import gather_object_to
-from lightning_hetero.workers import GradPolicy, Worker, check_same_loss
+from lightning_hetero.workers import GradPolicy, Placement, Worker, check_same_loss
 
 __all__ = ["StepEngine", "StepState"]
 
@@ -226,6 +228,9 @@ class StepEngine:
             _warn_of_changed_buffers(worker.module, buffers)
         if params is not None and (after or not (self.sync.overlaps and state.syncs)):
             _warn_of_changed_parameters(worker.module, params, after or None)
+        extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+        if extras and report.samples and _a_share_is_empty(shares, worker.placement):
+            report.extras = apply_to_collection(extras, Tensor, lambda t: t.detach().cpu())
         report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
         if state.syncs:
@@ -242,7 +247,9 @@ class StepEngine:
         state.samples = worker.recorded_samples(shares, report)
         value, dtype = combine_loss(reports) or (float("nan"), None)
         loss = torch.tensor(value, dtype=dtype, device=self._device)
-        extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+        if not report.samples and worker.runs_step_methods:
+            # No share of this batch: the outputs of the first worker that had one.
+            extras = next((move_data_to_device(r.extras, self._device) for r in reports if r.extras), {})
         return {"loss": loss, **extras} if extras else loss
 
     def backward(self, optimizer: Optional[Optimizer] = None) -> None:
@@ -364,6 +371,13 @@ class StepEngine:
         group, first = self._outputs
         parts = gather_object_to(mine, first, group)
         return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
+
+
+def _a_share_is_empty(shares: Shares, placement: Placement) -> bool:
+    """Whether a rank that runs the step methods (a CPU worker, a device replica, a pipeline's last
+    stage) has no sample of the batch ``shares`` divide, the same on every rank."""
+    devices = len(placement.stage_ranks) if len(placement.bounds) == 1 else 1
+    return any(start == stop for start, stop in shares.cpu) or shares.pipeline_size < devices
 
 
 def _written(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]) -> str:

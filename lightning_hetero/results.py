@@ -104,6 +104,9 @@ class WorkerReport:
     signals: int = 0
     """The signals this rank noted since its last report, and whether its trainer is to stop
     (``signals.py``), for every rank to act on."""
+    extras: dict[str, Any] | None = None
+    """The keys besides ``"loss"`` of the dict ``training_step`` returned, on the CPU, where a rank
+    that runs the step methods had no share of the batch (``StepEngine.training_step``)."""
 
     def to_host(self, *extra: Tensor) -> list[float]:
         """Bring what the report still holds on a device to the host, as numbers (its loss, its

@@ -263,6 +263,11 @@ class Worker:
         """The stages whose parameters this rank holds (a replica's every parameter is stage 0's)."""
         raise NotImplementedError
 
+    @property
+    def runs_step_methods(self) -> bool:
+        """Whether the module's step methods run here (not on a stage before the last)."""
+        return True
+
     def sum_over(self, params: list[nn.Parameter], stage: int) -> SumOver:
         """Whom this rank sums ``params`` (of ``stage``) with: that stage's sync group."""
         return SumOver(params, self.placement.sync_groups[stage])
@@ -707,6 +712,11 @@ class StageWorker(Worker):
     @override
     def held_stages(self) -> list[int]:
         return list(self.pipeline.stage_indices)
+
+    @property
+    @override
+    def runs_step_methods(self) -> bool:
+        return self.pipeline.is_last
 
     @override
     def note(self) -> str:

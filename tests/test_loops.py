@@ -536,3 +536,47 @@ def test_a_worker_whose_share_is_the_whole_batch_steps_on_the_batch_itself(tmp_p
     trainer(strategy, max_steps=3).fit(_BatchIdentity(tmp_path), regression_data())
     stage = json.loads((tmp_path / f"same{cpu_workers}.json").read_text())
     assert stage == [True, True, True]
+
+
+class ReturnsExtras(Net):
+    """`training_step` returns a dict with a key besides the loss, which `on_train_batch_end` reads."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.seen = out, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        return {"loss": super().training_step(batch, batch_idx), "rows": torch.tensor(len(batch[0]))}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(int(outputs["rows"]) if "rows" in outputs else None)
+
+    def on_train_end(self) -> None:
+        (self.out / f"rows{self.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.parametrize(
+    "layout,last_stage",
+    [
+        ({"parallelism": "replicas", "cpu_fraction": 0.4}, None),
+        ({"parallelism": "replicas", "cpu_fraction": 0.0, "stages": ["cpu"] * 3, "cpu_workers": 2}, None),
+        ({"cpu_fraction": 0.5}, 2),
+    ],
+    ids=["replicas", "replicas-and-idle-cpu-workers", "pipeline"],
+)
+def test_a_rank_without_a_share_of_a_batch_gets_the_keys_its_step_returned(
+    tmp_path: Path, layout: dict, last_stage: int | None
+) -> None:
+    """A last batch of one sample leaves some ranks no share: `outputs` there holds another worker's
+    keys, as every rank that computed has its own; a stage before the last gets the loss alone."""
+    strategy = hetero(**layout)
+    trainer(strategy, max_epochs=1).fit(ReturnsExtras(tmp_path), regression_data(n=37))  # 12, 12, 12, 1
+    ranks = sorted(tmp_path.glob("rows*.json"))
+    assert len(ranks) == strategy.num_processes
+    for path in ranks:
+        seen = json.loads(path.read_text())
+        if last_stage is not None and path.name not in ("rows0.json", f"rows{last_stage}.json"):
+            assert seen == [None] * 4  # a stage before the last
+        else:
+            assert len(seen) == 4 and all(rows is not None and rows > 0 for rows in seen), (path.name, seen)
+            assert seen[-1] == 1
