@@ -144,6 +144,12 @@ class _FlatBucket:
                 view = self.buffer[offset : offset + n]
                 if p.grad is None:
                     view.zero_()
+                elif p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"A parameter of shape {tuple(p.shape)} received a sparse gradient (`F.embedding(..., sparse=True)`"
+                        " or another op that makes one), which the hetero strategy does not sum between its workers."
+                        " Make it dense (`sparse=False`, and a dense optimizer such as Adam in place of `SparseAdam`)."
+                    )
                 else:
                     view.copy_(p.grad.reshape(-1), non_blocking=True)
                 offset += n

@@ -206,6 +206,19 @@ class SparseEmbedding(NoContract):
         self.embedding = nn.Embedding(10, 3, sparse=True)
 
 
+class FunctionalSparse(NoContract):
+    """Sparse gradients from a functional op on a parameter of its own, not an `nn.Embedding`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 6, dtype=torch.float64))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        rows = nn.functional.embedding((x.abs() * 3).long().clamp(max=9)[:, 0], self.table, sparse=True)
+        return self.net(x + rows.to(x.dtype)).sum()
+
+
 class ClosureOptimizer(torch.optim.SGD):
     """Evaluates the loss in its step, as sharpness-aware optimizers do."""
 
@@ -509,6 +522,12 @@ CASES = {
         " Trainer's precision computes no autocast), but a pipeline's stages compute its blocks outside the step method",
         in_run=True,
         rank="global rank 2 (stage1",
+    ),
+    "sparse-gradients-of-a-functional-op": Bad(
+        lambda _: fit(FunctionalSparse(), hetero(cpu_fraction=0.5, timeout=60)),
+        "A parameter of shape (10, 6) received a sparse gradient (`F.embedding(..., sparse=True)` or another op that"
+        " makes one), which the hetero strategy does not sum between its workers",
+        in_run=True,
     ),
     "two-optimizers": Bad(
         lambda _: fit(TwoOptimizers(), hetero(cpu_fraction=0.5, timeout=60)),
