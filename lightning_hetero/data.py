@@ -35,6 +35,7 @@ from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 import lightning.pytorch as pl
@@ -53,9 +54,13 @@ _STAGES = {
 }
 
 
-def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage], epoch: int = 0) -> object:
+def same_batches_on_every_rank(
+    dataloader: object, stage: Optional[RunningStage], epoch: int = 0, keep_sampler: bool = False
+) -> object:
     """Return a loader that yields the same batches on every rank of this node (see module doc);
-    ``epoch``: the epoch it starts in (a sampler given a generator here draws from seed and epoch)."""
+    ``epoch``: the epoch it starts in (a sampler given a generator here draws from seed and epoch);
+    ``keep_sampler``: the Trainer's ``use_distributed_sampler=False``, which a sampler drawing from the
+    global random generator cannot be kept under (said in a warning)."""
     if not isinstance(dataloader, DataLoader):
         return dataloader
     sampler = sampler_of(dataloader)
@@ -69,6 +74,14 @@ def same_batches_on_every_rank(dataloader: object, stage: Optional[RunningStage]
             " from the global random generator, which the hetero strategy's processes do not share, so they would"
             " not see the same batches. Use `shuffle=False`, or give the sampler (or the DataLoader) a"
             " `generator=torch.Generator().manual_seed(...)`."
+        )
+    if keep_sampler:
+        rank_zero_warn(
+            f"`Trainer(use_distributed_sampler=False)` keeps each process's own sampler, but the training loader's"
+            f" {type(sampler).__name__} draws from the global random generator, which the hetero strategy's processes"
+            " do not share (what each draws from it while training differs), and every process must see the same"
+            " batches: the strategy gives it a generator of the seed and the epoch all the same. To keep an order of"
+            " your own, give the sampler (or the DataLoader) a `generator=torch.Generator().manual_seed(...)`.",
         )
     if isinstance(sampler, RandomSampler):
         replacement = _get_distributed_sampler(dataloader, True, overfit_batches=0, num_replicas=1, rank=0)

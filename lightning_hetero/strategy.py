@@ -254,7 +254,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         stage = trainer.state.stage
-        dataloader = same_batches_on_every_rank(dataloader, stage, trainer.current_epoch)
+        keep = not trainer._accelerator_connector.use_distributed_sampler
+        dataloader = same_batches_on_every_rank(dataloader, stage, trainer.current_epoch, keep)
         workers, policy = self._plan.dataloader_workers, self._loader_policy
         if not (isinstance(policy, int) or tunable(dataloader, policy)):
             return dataloader

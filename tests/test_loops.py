@@ -315,6 +315,29 @@ def test_shuffled_training_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert max_param_diff(plain, het) < TOL
 
 
+def test_a_sampler_kept_by_use_distributed_sampler_false_is_still_made_the_same_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`use_distributed_sampler=False` keeps each DDP rank's own sampler; one drawing from the global
+    generator cannot be kept here, which a warning says, and every rank still sees the same batches."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    dataset = regression_data().dataset
+    with pytest.warns(UserWarning, match=r"use_distributed_sampler=False.*RandomSampler draws from the global random"):
+        same_batches_on_every_rank(DataLoader(dataset, batch_size=12, shuffle=True), RunningStage.TRAINING, 0, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seeded = torch.Generator().manual_seed(3)
+        same_batches_on_every_rank(DataLoader(dataset, batch_size=12, shuffle=True, generator=seeded), RunningStage.TRAINING, 0, True)
+        same_batches_on_every_rank(DataLoader(dataset, batch_size=12, shuffle=True), RunningStage.TRAINING, 0, False)
+    ordered = DataLoader(dataset, batch_size=12, sampler=DistributedSampler(dataset, 1, 0, shuffle=True))
+    plain, het = Net(), Net()
+    trainer(None, max_epochs=2).fit(plain, ordered)
+    run = trainer(hetero(cpu_fraction=0.5), max_epochs=2, callbacks=[RecordCopies(tmp_path)], use_distributed_sampler=False)
+    run.fit(het, DataLoader(dataset, batch_size=12, shuffle=True))
+    assert_copies_identical(tmp_path)
+    assert max_param_diff(plain, het) < TOL
+
+
 def test_a_sampler_without_a_generator_gets_one_of_the_seed_and_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Also inside the wrapper Lightning puts around it with several nodes; a loader made again at a
     later epoch (`reload_dataloaders_every_n_epochs`, a resumed fit) draws that epoch's order."""
