@@ -178,11 +178,21 @@ def check_before_launch(
         if batch is None:
             continue
         try:
-            batch_size_of(batch)
+            rows = batch_size_of(batch)
             if stage == RunningStage.TRAINING and pairs:
                 pipeline_pair(model, batch)
         except (TypeError, ValueError) as error:
             raise type(error)(f"The {stage.dataloader_prefix} dataloader's first batch: {error}") from None
+        samples = min(loader.batch_size, len(loader.dataset)) if loader.batch_size else None
+        if samples is not None and rows != samples:
+            rank_zero_warn(
+                f"The {stage.dataloader_prefix} dataloader collates {samples} samples into a first batch whose tensors"
+                f" have {rows} rows along their first dimension, where the hetero strategy divides every batch between"
+                " its workers. If that dimension is not the samples' (sequences time first, for an `nn.LSTM`, `nn.GRU`"
+                " or `nn.Transformer` without `batch_first=True`), each worker computes a slice of it, and the model"
+                " trained is not one process's: put the samples first. Rows that are each a sample of their own"
+                " (tokens flattened with their targets) are divided as they should be."
+            )
 
 
 def _check_combined(loaders: Mapping[Any, Any]) -> None:

@@ -9,6 +9,7 @@ import os
 import random
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -707,6 +708,23 @@ def test_what_looks_like_a_refused_case_trains(model: type, tmp_path: Path) -> N
     trained = model()
     fit(trained, default_root_dir=str(tmp_path))
     assert max_param_diff(trained, model()) > 0  # the trained weights came back
+
+
+def test_time_first_sequences_are_named_before_any_process_starts(no_processes: None) -> None:
+    """An LSTM's default layout is (time, batch, features): the strategy would divide each batch along
+    time. Said in a warning (rows that are each a sample of their own are divided correctly)."""
+    sequences = torch.randn(20, 7, 6, dtype=torch.float64)  # 20 samples of 7 steps
+    targets = torch.randn(20, 7, dtype=torch.float64)  # a target per step, as a language model's
+    time_first = DataLoader(TensorDataset(sequences, targets), batch_size=4,
+                            collate_fn=lambda items: tuple(torch.stack(parts, 1) for parts in zip(*items)))
+    expected = r"collates 4 samples into a first batch whose tensors have 7 rows .* `batch_first=True`"
+    with pytest.warns(UserWarning, match=expected), pytest.raises(AssertionError, match="worker processes were started"):
+        trainer(hetero(cpu_fraction=0.5), max_steps=1).fit(NoContract(), time_first)
+    batch_first = DataLoader(TensorDataset(sequences.flatten(1), torch.randn(20, 3, dtype=torch.float64)), batch_size=8)
+    with warnings.catch_warnings(record=True) as record, pytest.raises(AssertionError, match="worker processes were started"):
+        warnings.simplefilter("always")
+        trainer(hetero(cpu_fraction=0.5), max_steps=1).fit(NoContract(), batch_first)
+    assert not any("rows along their first dimension" in str(w.message) for w in record)
 
 
 def test_a_port_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
