@@ -407,6 +407,10 @@ class EncoderExchange:
             self._clock = clock
         inputs = self._inputs(share) if remote else {}
         self._received = []
+        # A forward of the instance's own (a wrapper's) is the encoder's again afterwards.
+        own = {m: vars(self.encoders[m]).get("forward") for m in [*remote, *hosted]}
+        # The host ran the encoder's hooks on the output it sent: here its call only answers with it.
+        hooks = {m: _take_hooks(self.encoders[m]) for m in remote}
         for modality in remote:
             received = _Received(self._hosts[remote[modality]], self._tags[modality])
             expected = inputs.get(modality)
@@ -418,8 +422,13 @@ class EncoderExchange:
         try:
             yield
         finally:
-            for modality in [*remote, *hosted]:
-                del self.encoders[modality].forward
+            for modality, forward in own.items():
+                if forward is None:
+                    del self.encoders[modality].forward
+                else:
+                    self.encoders[modality].forward = forward  # type: ignore[method-assign]
+            for modality, taken in hooks.items():
+                vars(self.encoders[modality]).update(taken)
 
     def _check_call(self, modality: str, args: tuple, kwargs: dict) -> None:
         """What every process (the host too, on its own share) asks of a call of a placed encoder: one
@@ -506,7 +515,7 @@ class EncoderExchange:
         # step) and dropped.
         pairs = [(h.output, g) for h, g in zip(self._hosted, grads) if h.output.requires_grad]
         if pairs:
-            with span(self._clock, kinds.pop() if len(kinds) == 1 else "encoders"):
+            with span(self._clock, kinds.pop() if len(kinds) == 1 else "encoders"), in_backward():
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._hosted = []
 
@@ -535,6 +544,20 @@ class EncoderExchange:
     def _host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
         """Where a message lands: pinned memory where it goes on to a GPU, so the copy runs asynchronously."""
         return torch.empty(shape, dtype=dtype, pin_memory=self._device.type == "cuda")
+
+
+_HOOKS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+)  # fmt: skip
+
+
+def _take_hooks(module: nn.Module) -> dict[str, Any]:
+    """Take ``module``'s own forward and backward hooks off it (``vars(module).update`` puts them back)."""
+    taken = {name: vars(module)[name] for name in _HOOKS if name in vars(module)}
+    for name, hooks in taken.items():
+        setattr(module, name, type(hooks)())
+    return taken
 
 
 def _on_host(tensor: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_hetero.pipeline import available_schedules
 from lightning_hetero import HeteroPlan, HeteroStrategy
@@ -470,3 +471,78 @@ def HeavyFirstBlock() -> Any:
             return [self.busy, self.fuse, *self.backbone]
 
     return HeavyFirst()
+
+
+class HookedText(Multimodal):
+    """Hooks on the text encoder: a pre-hook that changes its input, a hook that scales its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text.register_forward_pre_hook(lambda module, args: (args[0].flip(1),))
+        self.text.register_forward_hook(lambda module, args, output: output * 0.5)
+
+
+class WrappedText(Multimodal):
+    """A `forward` set on the encoder instance, as wrappers (accelerate's hooks) set it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inner = self.text.forward
+        self.text.forward = lambda tokens: inner(tokens) * 0.5  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("model", [HookedText, WrappedText], ids=["hooks", "instance-forward"])
+@pytest.mark.parametrize("host", ["cpu0", "device0"])
+def test_a_placed_encoder_computes_as_the_user_set_it_up(tmp_path: Path, model: Any, host: str) -> None:
+    """Its hooks run once on each share's output (on its host), and a forward of the instance's own
+    stays the encoder's after every step."""
+    assert_same_run(tmp_path, hetero(encoders={"text": host}, cpu_fraction=0.3), model, multimodal_data)
+
+
+class AutocastProbe(torch.autograd.Function):
+    """Scales by a weight; its backward, as a custom kernel's may, computes differently under autocast
+    (where plain Lightning never runs a backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        factor = 2.0 if torch.is_autocast_enabled("cpu") else 1.0
+        return grad * w * factor, (grad * x).sum(0) * factor
+
+
+def test_a_placed_encoders_backward_for_the_others_runs_outside_autocast(tmp_path: Path) -> None:
+    """bf16-mixed: the host's backward of the other workers' shares, as its own and as Lightning's."""
+
+    class Probed(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner, self.w = inner, torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return AutocastProbe.apply(self.inner(tokens), self.w)
+
+    class Model(Multimodal):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = Probed(self.text)
+
+        def encode(self, batch: dict) -> dict[str, torch.Tensor]:
+            return {name: features.float() for name, features in super().encode(batch).items()}
+
+    def data() -> DataLoader:
+        samples = [{k: v.float() if v.is_floating_point() else v for k, v in s.items()} for s in multimodal_data().dataset]
+        return DataLoader(samples, batch_size=12)
+
+    weights = {}
+    for name, encoders in (("plain", None), ("split", {}), ("placed", {"text": "cpu0"})):
+        m = Model().float()
+        strategy = hetero(encoders=encoders, cpu_fraction=0.3) if encoders is not None else None
+        trainer(strategy, max_steps=3, precision="bf16-mixed").fit(m, data())
+        weights[name] = m.text.w.detach().clone()
+    assert torch.equal(weights["split"], weights["placed"])
+    assert torch.allclose(weights["plain"], weights["placed"], atol=1e-2, rtol=0)  # bf16's rounding, not twice the step
