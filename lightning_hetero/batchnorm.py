@@ -17,18 +17,21 @@ statistics, as with Lightning's DDP:
   ``SyncBatchNorm`` takes them); its backward sums the two per-channel terms of the
   input's gradient the same way. Outputs, gradients and running buffers are then one device's,
   as torch's ``SyncBatchNorm`` does on GPUs (which refuses CPU tensors). After the run the layers
-  are BatchNorm again (``revert``).
+  are BatchNorm again (``revert``). In a multimodal model's encoder, the layers sum over the
+  replicas whose share carries that encoder's modality (the others do not call it), on one node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_hetero.shares import slice_batch
 
 __all__ = [
     "StatsGroup",
@@ -166,15 +169,23 @@ def revert(module: nn.Module) -> nn.Module:
     return module
 
 
-def average_running_stats(module: nn.Module, weight: float, group: dist.ProcessGroup) -> None:
+def average_running_stats(
+    module: nn.Module, weight: float, group: dist.ProcessGroup, layer_weights: Optional[Mapping[nn.Module, Optional[float]]] = None
+) -> None:
     """Per-share mode, after a training batch: every BatchNorm layer's running mean and variance
     become the average of the replicas', each weighted by ``weight`` (its share of the batch; 0
-    where it had none), and ``num_batches_tracked`` the largest (a collective over ``group``)."""
-    layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    where it had none), and ``num_batches_tracked`` the largest (a collective over ``group``).
+    ``layer_weights``: a layer's own weight where it is not ``weight`` (its share of the rows the
+    layer normalized), ``None`` for a layer no replica ran, which keeps its statistics (the same on
+    every rank, as every rank's weights say)."""
+    weights = {m: weight for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats}
+    weights.update({m: w for m, w in (layer_weights or {}).items() if m in weights})
+    layers = [m for m, w in weights.items() if w is not None]
     if not layers:
         return
     stats: Sequence[Tensor] = [t for m in layers for t in (m.running_mean, m.running_var)]
-    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in stats]) * weight
+    scale = torch.cat([torch.full((t.numel(),), float(weights[m]), dtype=torch.float64) for m in layers for t in (m.running_mean, m.running_var)])
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in stats]) * scale
     dist.all_reduce(flat, group=group)
     tracked = torch.stack([m.num_batches_tracked.detach().cpu() for m in layers])
     dist.all_reduce(tracked, op=dist.ReduceOp.MAX, group=group)
@@ -207,38 +218,75 @@ class ReplicaNorm:
         everyone: dist.ProcessGroup,
         num_nodes: int,
         make_group: Callable[[tuple[tuple[bool, ...], tuple[bool, ...]]], dist.ProcessGroup],
+        encoders: Optional[Mapping[str, nn.Module]] = None,
+        rows_of: Optional[Callable[[Any], dict[str, int]]] = None,
     ) -> None:
         self.module, self.whole, self.groups = module, whole, groups
         self.devices, self.everyone, self.num_nodes = devices, everyone, num_nodes
         self.make_group = make_group
         self.stats = StatsGroup()
+        self.encoders = {m: e for m, e in sorted((encoders or {}).items()) if has_batch_norm(e)} if num_nodes == 1 else {}
+        """A multimodal model's encoders with BatchNorm layers, by modality (on one node): the replicas
+        whose share of a batch carries the modality call them, on its rows (``rows_of`` a share)."""
+        self.rows_of = rows_of
+        self.encoder_stats: dict[str, StatsGroup] = {}
+        self._parts: list[tuple[int, int]] = []
+        self._rows: list[dict[str, int]] = []
+        """Each replica's share of the latest batch, and the rows of each modality in it."""
 
     def apply(self) -> None:
         """Convert the layers for this trainer call (whole-batch mode)."""
         if self.whole:
+            self.encoder_stats = {m: StatsGroup() for m in self.encoders}
+            for modality, encoder in self.encoders.items():
+                convert(encoder, self.encoder_stats[modality])
             convert(self.module, self.stats)
 
-    def before(self, shares: Any, training: bool = True) -> None:
-        """Whole-batch mode: the group this step's statistics are summed over. An evaluation step
-        normalizes with the running statistics, and needs none (unless a layer keeps none)."""
+    def before(self, shares: Any, training: bool = True, batch: Any = None) -> None:
+        """Whole-batch mode: the group this step's statistics are summed over (``batch``: the whole
+        batch, whose shares' modalities say who calls each encoder). An evaluation step normalizes
+        with the running statistics, and needs none (unless a layer keeps none)."""
+        parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
+        if self.encoders and (training or self.encoder_stats):
+            self._parts = [tuple(part) for part in parts]
+            self._rows = [
+                self.rows_of(slice_batch(batch, start, stop, shares.batch_size)) if stop > start else {}  # type: ignore[misc]
+                for start, stop in parts
+            ]
         if not self.whole:
             return
         if not training and all(m.track_running_stats for m in self.module.modules() if isinstance(m, _BatchNorm)):
             self.stats.group = None
+            for stats in self.encoder_stats.values():
+                stats.group = None
             return
-        parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
         has_share = tuple(stop > start for start, stop in parts)
-        cpus, devices = has_share[: len(shares.cpu)], has_share[len(shares.cpu) :]
+        self.stats.group = self._group(has_share, len(shares.cpu))
+        for modality, stats in self.encoder_stats.items():
+            stats.group = self._group(tuple(modality in rows for rows in self._rows), len(shares.cpu))
+
+    def _group(self, has_share: tuple[bool, ...], cpu_workers: int) -> Optional[dist.ProcessGroup]:
+        cpus, devices = has_share[:cpu_workers], has_share[cpu_workers:]
         if sum(cpus) + sum(devices) <= 1 and self.num_nodes == 1:
-            self.stats.group = None
-            return
+            return None
         key = (cpus, devices)
         if key not in self.groups:
-            # A batch too small for every replica (an epoch's last): the group of those with a share, made
-            # once. Every rank comes here with the same shares, those without a share included.
+            # A batch too small for every replica (an epoch's last), or whose modality only some shares
+            # carry: the group of those with a share, made once. Every rank comes here with the same
+            # shares and the same batch, those without a share included.
             self.groups[key] = self.make_group(key)
-        self.stats.group = self.groups[key]
+        return self.groups[key]
 
-    def after_training_batch(self, samples: int, batch_size: int) -> None:
-        weight = samples / (batch_size * self.num_nodes) if batch_size else 0.0
-        average_running_stats(self.module, weight, self.everyone)
+    def after_training_batch(self, start: int, stop: int, batch_size: int) -> None:
+        """After a training batch of which this replica computed samples ``[start, stop)``: the
+        running statistics averaged over every rank."""
+        weight = (stop - start) / (batch_size * self.num_nodes) if batch_size else 0.0
+        layer_weights: dict[nn.Module, Optional[float]] = {}
+        if self.encoders:
+            mine = next((rows for part, rows in zip(self._parts, self._rows) if part == (start, stop)), {}) if stop > start else {}
+            for modality, encoder in self.encoders.items():
+                # An encoder's layers normalize the rows of its modality: each replica weighs by its part of them.
+                total = sum(rows.get(modality, 0) for rows in self._rows)
+                share = mine.get(modality, 0) / total if total else None
+                layer_weights.update({m: share for m in encoder.modules() if isinstance(m, _BatchNorm)})
+        average_running_stats(self.module, weight, self.everyone, layer_weights)

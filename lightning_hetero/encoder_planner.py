@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -139,13 +139,16 @@ def ranked_placements(
     samples: Mapping[str, float],
     carrying: Mapping[str, float],
     places: Sequence[str] | None = None,
+    split_only: Collection[str] = (),
 ) -> list[PlacementPrediction]:
     """Every placement of the encoders (each split or on one of ``places``, default every place of
-    ``costs``), fastest first; of equal steps, fewer placed encoders first."""
+    ``costs``; those of ``split_only``, which cannot be placed, split), fastest first; of equal
+    steps, fewer placed encoders first."""
     options = [SPLIT, *(places if places is not None else costs.places)]
+    per_modality = [[SPLIT] if m in split_only else options for m in costs.modalities]
     predictions = [
         predict_placement(costs, samples, carrying, dict(zip(costs.modalities, choice)))
-        for choice in itertools.product(options, repeat=len(costs.modalities))
+        for choice in itertools.product(*per_modality)
     ]
     return sorted(predictions, key=lambda p: (round(p.step_s, 12), len(p.placement)))
 
@@ -155,10 +158,12 @@ def best_placement(
     samples: Mapping[str, float],
     carrying: Mapping[str, float],
     places: Sequence[str] | None = None,
+    split_only: Collection[str] = (),
 ) -> PlacementPrediction:
     """The fastest placement (``predict_placement``) of every encoder, split or on one of ``places``
-    (default: every place of ``costs``); of equal steps, the one with fewer placed encoders."""
-    return ranked_placements(costs, samples, carrying, places)[0]
+    (default: every place of ``costs``), those of ``split_only`` split; of equal steps, the one with
+    fewer placed encoders."""
+    return ranked_placements(costs, samples, carrying, places, split_only)[0]
 
 
 def samples_by_place(batch_size: int, cpu_fraction: float, cpu_workers: int, devices: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.loading import LoaderPolicy, set_workers
 from lightning_hetero.module import offers_blocks
-from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
+from lightning_hetero.multimodal import EncoderPacing, check_placeable, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.shares import Shares, no_single_samples, split_batch
 from lightning_hetero.topology import ProcessGroups, Role, Topology, pin_to, threads_for, usable_cores
@@ -142,6 +142,12 @@ class RunLayout:
                 self._engine.sync.set_threads(threads)
 
     @property
+    def whole_batch_norm(self) -> bool:
+        """Whether BatchNorm takes the whole batch's statistics (``Trainer(sync_batchnorm=True)``, which
+        gives the strategy its layer sync)."""
+        return getattr(self, "_layer_sync", None) is not None
+
+    @property
     def encoder_placement(self) -> dict[str, str]:
         """Where a multimodal model's placed encoders run, by modality (those left out are ``"split"``)."""
         return dict(self._plan.encoders)
@@ -152,6 +158,7 @@ class RunLayout:
         plan = replace(self._plan, encoders=check_placement(placement))
         if module is not None:
             plan.place_blocks(module)  # checks the placement for the model
+            check_placeable(module, plan.encoders, self.whole_batch_norm)
         return plan
 
     def set_encoder_placement(self, placement: Mapping[str, str]) -> None:

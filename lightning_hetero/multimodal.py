@@ -68,6 +68,8 @@ __all__ = [
     "offers_modalities",
     "check_placement",
     "check_encoder_placement",
+    "check_placeable",
+    "unplaceable_encoders",
     "encoder_stages",
     "EncoderExchange",
     "EncoderPacing",
@@ -170,6 +172,42 @@ def check_placement(encoders: Optional[Mapping[str, str]]) -> dict[str, str]:
     return placement
 
 
+def unplaceable_encoders(model: nn.Module, whole_batch_norm: bool = False) -> dict[str, str]:
+    """The model's encoders that cannot be placed on one process, by modality: why each must stay split.
+    ``whole_batch_norm``: ``Trainer(sync_batchnorm=True)``, whose BatchNorm is a collective of every worker."""
+    name = type(model).__name__
+    reasons = {}
+    for modality, encoder in modality_encoders(model).items():
+        shared = _used_outside(model, encoder)
+        norms = [type(m).__name__ for m in encoder.modules() if isinstance(m, _NormBase)]
+        stats = [type(m).__name__ for m in encoder.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        if shared:
+            reasons[modality] = (
+                f"Encoder {modality!r} shares parameter {shared!r} with the rest of `{name}` (tied weights): its"
+                " gradient would come from two processes. Leave it 'split', or untie the weight."
+            )
+        elif stats:
+            reasons[modality] = (
+                f"Encoder {modality!r} has {stats[0]} with running statistics, which would be updated once per share"
+                " on the process it is placed on; leave it 'split' or use `track_running_stats=False`."
+            )
+        elif norms and whole_batch_norm:
+            reasons[modality] = (
+                f"Encoder {modality!r} has {norms[0]}, whose statistics `Trainer(sync_batchnorm=True)` computes over"
+                " the whole batch, together with every worker; placed, its host would compute it for the others'"
+                " shares alone. Leave it 'split', or set `sync_batchnorm=False` (each share's statistics)."
+            )
+    return reasons
+
+
+def check_placeable(model: nn.Module, placement: Mapping[str, str], whole_batch_norm: bool = False) -> None:
+    """Raise a clear error where ``placement`` places an encoder that must stay split (``unplaceable_encoders``)."""
+    unplaceable = unplaceable_encoders(model, whole_batch_norm) if placement else {}
+    for modality in placement:
+        if modality in unplaceable:
+            raise ValueError(unplaceable[modality])
+
+
 def check_encoder_placement(
     model: nn.Module, placement: Mapping[str, str], cpu_workers: int, devices: int, replicas: bool
 ) -> None:
@@ -200,18 +238,7 @@ def check_encoder_placement(
                 f" process(es) ({kind}0 to {kind}{count - 1})." if count else
                 f"`encoders[{modality!r}]={host!r}`: this layout has no {'CPU worker' if kind == 'cpu' else 'device'}."
             )
-        shared = _used_outside(model, encoders[modality])
-        if shared:
-            raise ValueError(
-                f"Encoder {modality!r} shares parameter {shared!r} with the rest of `{name}` (tied weights): its"
-                " gradient would come from two processes. Leave it 'split', or untie the weight."
-            )
-        stats = [type(m).__name__ for m in encoders[modality].modules() if isinstance(m, _NormBase) and m.track_running_stats]
-        if stats:
-            raise ValueError(
-                f"Encoder {modality!r} has {stats[0]} with running statistics, which would be updated once per share"
-                " on the process it is placed on; leave it 'split' or use `track_running_stats=False`."
-            )
+    check_placeable(model, placement)
 
 
 def encoder_stages(

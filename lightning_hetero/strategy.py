@@ -403,7 +403,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             device=self.root_device,
             timeout=self._timeout,
             nonfinite=self._nonfinite,
-            whole_batch_norm=self._layer_sync is not None,
+            whole_batch_norm=self.whole_batch_norm,
         )
         log.debug("hetero: %s holds blocks %s", self.rank_name(self.local_rank), engine.worker.placement.bounds)
         engine.pace(self._emulated_speed)

@@ -438,7 +438,7 @@ class _WholeModel(Worker):
     ) -> tuple[WorkerReport, Any]:
         start, stop = self._range(shares)
         if self.norm is not None:
-            self.norm.before(shares)
+            self.norm.before(shares, batch=batch)
 
         encoders = self.encoders if self.encoders is not None and self.encoders.placement else None
 
@@ -475,14 +475,14 @@ class _WholeModel(Worker):
                 encoders.abort()
             raise
         if self.norm is not None:
-            self.norm.after_training_batch(stop - start, shares.batch_size)
+            self.norm.after_training_batch(start, stop, shares.batch_size)
         return result
 
     @override
     def eval_step(self, method: str, batch: Any, rest: tuple, shares: Shares) -> tuple[WorkerReport, Any]:
         start, stop = self._range(shares)
         if self.norm is not None:
-            self.norm.before(shares, training=False)
+            self.norm.before(shares, training=False, batch=batch)
         if start == stop:
             return WorkerReport(), None
         return self._run_step(method, self._on_device(slice_batch(batch, start, stop, shares.batch_size)), rest, stop - start, shares.batch_size)

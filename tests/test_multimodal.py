@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_hetero.pipeline import available_schedules
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from tests.conftest import hetero, max_param_diff, trainer
-from tests.models import Multimodal, TwoPass, multimodal_data
+from tests.models import Multimodal, TwoPass, multimodal_data, phased_data
 from tests.test_replicas import assert_same_run
 
 TOL = 1e-10
@@ -546,3 +546,42 @@ def test_a_placed_encoders_backward_for_the_others_runs_outside_autocast(tmp_pat
         weights[name] = m.text.w.detach().clone()
     assert torch.equal(weights["split"], weights["placed"])
     assert torch.allclose(weights["plain"], weights["placed"], atol=1e-2, rtol=0)  # bf16's rounding, not twice the step
+
+
+class StatelessNormImage(Multimodal):
+    """Its image encoder normalizes with the batch's statistics and keeps none."""
+
+    def __init__(self) -> None:
+        super().__init__(norm=True)
+        self.image.norm = torch.nn.BatchNorm2d(4, track_running_stats=False, dtype=torch.float64)
+
+
+def test_a_placed_encoder_with_whole_batch_statistics_is_refused_before_any_process_starts(no_processes: None) -> None:
+    """`sync_batchnorm=True` makes its statistics a collective of every worker, which its host cannot join alone."""
+    with pytest.raises(ValueError, match="has BatchNorm2d, whose statistics `Trainer\\(sync_batchnorm=True\\)` computes"):
+        trainer(hetero(encoders={"image": "cpu0"}), max_steps=1, sync_batchnorm=True).fit(StatelessNormImage(), multimodal_data())
+
+
+@pytest.mark.parametrize("encoders", [{}, {"text": "cpu0"}], ids=["split", "text-placed"])
+def test_whole_batch_statistics_in_an_encoder_some_shares_do_not_call(tmp_path: Path, encoders: dict) -> None:
+    """`sync_batchnorm=True`: the image encoder's BatchNorm sums over the workers whose share of the
+    batch carries images (a share of captions alone never calls it), as one device normalizes."""
+    data = partial(phased_data, n=72, switch=36)  # image-heavy, then caption-heavy: some shares hold no image
+    assert_same_run(tmp_path, hetero(cpu_fraction=0.3, encoders=encoders), partial(Multimodal, norm=True), data, sync_batchnorm=True)
+
+
+@pytest.mark.parametrize("model", [partial(Multimodal, norm=True), StatelessNormImage], ids=["running-stats", "whole-batch-stats"])
+def test_the_analyzer_and_the_mix_rebalancer_leave_an_encoder_that_cannot_be_placed_split(
+    tmp_path: Path, model: Any
+) -> None:
+    """Both search every place for every encoder: one with BatchNorm stays split (its statistics would
+    be one process's), the other is placed where it pays, and the run stays the one-process model."""
+    from lightning_hetero.callbacks import MixRebalancer, WorkloadAnalyzer
+    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1, save_dir=str(tmp_path / "plans"))
+    mix = MixRebalancer(every_n_steps=3, repeats=1)
+    # Emulated speeds that make the image encoder pay to place on a device, as the mix turns to images.
+    speeds = {"image@cpu": 300.0, "image@device": 20000.0, "text@cpu": 20000.0, "text@device": 300.0}
+    strategy = hetero(cpu_fraction=0.3, emulated_speed=speeds)
+    data = partial(phased_data, n=240, switch=120)
+    assert_same_run(tmp_path, strategy, model, data, callbacks=[analyzer, mix], steps=12, sync_batchnorm=True)
+    assert "image" not in HeteroPlan.load(tmp_path / "plans" / "plan.yaml").encoders

@@ -37,7 +37,7 @@ from lightning_hetero.encoder_planner import EncoderProfile, PlacementPrediction
 from lightning_hetero.loading import CoreSplit, LoaderTimes, compute_between_loads, measure_loader, peek_batches, split_cores
 from lightning_hetero.loading import tunable
 from lightning_hetero.module import check_model_contract, layer_names, offers_blocks, pipeline_pair
-from lightning_hetero.multimodal import carrying, encoder_stages, modality_encoders, offers_modalities
+from lightning_hetero.multimodal import carrying, encoder_stages, modality_encoders, offers_modalities, unplaceable_encoders
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.planner import (
     Machine,
@@ -201,7 +201,8 @@ class WorkloadAnalyzer(L.Callback):
         profile = profile_encoders(trainer, strategy, self.repeats)
         topology = strategy.topology
         samples = samples_by_place(profile.batch_size, plan.cpu_fraction, topology.cpu_workers, topology.num_stages)
-        self.placement = (profile, samples, best_placement(profile.costs(), samples, profile.carrying))
+        split_only = unplaceable_encoders(trainer.lightning_module, strategy.whole_batch_norm)
+        self.placement = (profile, samples, best_placement(profile.costs(), samples, profile.carrying, split_only=split_only))
         return replace(plan, encoders=self.placement[2].placement)
 
     def plan_layout(
