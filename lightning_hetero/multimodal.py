@@ -211,8 +211,10 @@ def check_placeable(model: nn.Module, placement: Mapping[str, str], whole_batch_
 def check_encoder_placement(
     model: nn.Module, placement: Mapping[str, str], cpu_workers: int, devices: int, replicas: bool
 ) -> None:
-    """Raise a clear error where ``placement`` cannot run for ``model`` on this layout."""
+    """Raise a clear error where ``placement`` cannot run for ``model`` on this layout (and where its
+    encoders break the contract, placed or not: every process checks that as it starts)."""
     if not placement:
+        modality_encoders(model)
         return
     name = type(model).__name__
     encoders = modality_encoders(model)
@@ -508,8 +510,9 @@ class EncoderExchange:
                 raise RuntimeError(
                     f"`{model}` called encoder {modality!r} with another input than `modality_inputs(batch)[{modality!r}]`"
                     " for its batch (or more than once); the encoder is placed on another process, which computes it"
-                    " on exactly that input. Call it once per batch as `encoder(self.modality_inputs(batch)[name])`"
-                    " (or use `self.encode(batch)`)."
+                    " on exactly that input, of the batch as the step method receives it. Call it once per batch as"
+                    " `encoder(self.modality_inputs(batch)[name])` (or use `self.encode(batch)`), and change the"
+                    " batch before the step, not in it (`on_after_batch_transfer`, or the DataLoader's transform)."
                 )
             received.offset += count
             return received.leaf[start : start + count]

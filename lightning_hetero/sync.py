@@ -819,9 +819,10 @@ class _Overlap:
                 f"A parameter of bucket {k} received {count} gradients in a backward that fine mode expected to give it"
                 f" {expected}: it is used outside its own layer (or twice per micro-batch through a path the layer does"
                 " not own), or a reentrant activation checkpoint (`torch.utils.checkpoint(..., use_reentrant=True)`,"
-                " or a model's `gradient_checkpointing_enable()` with it) runs a second backward through it. Fine mode"
-                " sums each bucket when its gradients are complete, so it cannot follow either: use"
-                " `use_reentrant=False`, or `mode='coarse'`."
+                " or a model's `gradient_checkpointing_enable()` with it) runs a second backward through it, or (a"
+                " multimodal model) `modality_inputs` computes a placed encoder's input with it, on its host for every"
+                " share. Fine mode sums each bucket when its gradients are complete, so it cannot follow these: use"
+                " `use_reentrant=False`, leave that encoder 'split', or use `mode='coarse'`."
             )
         if count == expected:
             self._missing[k] -= 1

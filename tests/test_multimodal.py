@@ -585,3 +585,13 @@ def test_the_analyzer_and_the_mix_rebalancer_leave_an_encoder_that_cannot_be_pla
     data = partial(phased_data, n=240, switch=120)
     assert_same_run(tmp_path, strategy, model, data, callbacks=[analyzer, mix], steps=12, sync_batchnorm=True)
     assert "image" not in HeteroPlan.load(tmp_path / "plans" / "plan.yaml").encoders
+
+
+class OneEncoderForTwo(Multimodal):
+    def modality_encoders(self) -> dict[str, torch.nn.Module]:
+        return {"image": self.image, "text": self.text, "title": self.text}
+
+
+def test_encoders_that_break_the_contract_are_refused_before_any_process_starts_placed_or_not(no_processes: None) -> None:
+    with pytest.raises(ValueError, match="Encoders 'text' and 'title' of `OneEncoderForTwo` share a parameter"):
+        trainer(hetero(cpu_fraction=0.3), max_steps=1).fit(OneEncoderForTwo(), multimodal_data())
