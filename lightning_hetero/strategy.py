@@ -67,7 +67,7 @@ from lightning_hetero.results import sync_metrics_over
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.signals import StepSignals
 from lightning_hetero.state import move_materialized
-from lightning_hetero.topology import ProcessGroups, StagesArg, connect, record_failure, resolve_stage_devices
+from lightning_hetero.topology import ProcessGroups, StagesArg, check_every_rank_agrees, connect, record_failure, resolve_stage_devices
 from lightning_hetero.workers import check_emulated_speed
 
 __all__ = ["HeteroStrategy", "hetero_strategy"]
@@ -318,6 +318,13 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         mesh = self._groups.mesh if self._groups is not None else None
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone, mesh)
         log.debug("hetero: %s joined its process groups", name)
+        if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
+            # Each process made its own strategy (popen, torchrun, SLURM; every node): from the same arguments?
+            agreed = {key: getattr(self._plan, key) for key in _AGREED}
+            check_every_rank_agrees(
+                agreed, self._groups.control, self._rank_name_of, "`HeteroStrategy` arguments",
+                "Start every node and process with the same command and configuration.",
+            )
         if self.root_device.type == "cpu":
             self._cuda_rng_back = leave_cuda_rng_alone()
         self._set_threads()
@@ -355,8 +362,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         if trainer.state.fn == TrainerFn.PREDICTING and self.local_rank != 0:
             self._unguard = _without_prediction_writers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            names = lambda rank: self.topology.rank_name(*divmod(rank, self.topology.procs_per_node))  # noqa: E731
-            self._unguard = guard_monitored_values(trainer.callbacks, self.gather, names)
+            self._unguard = guard_monitored_values(trainer.callbacks, self.gather, self._rank_name_of)
             try:
                 self.setup_optimizers(trainer)
             except RuntimeError as error:
@@ -386,7 +392,13 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         planned = self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING
         layers = self.check_model(module, cut_later=planned)
         if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
-            # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's.
+            # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's, the same model.
+            shapes = {name: (tuple(t.shape), str(t.dtype)) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+            check_every_rank_agrees(
+                shapes, self._groups.control, self._rank_name_of, "models",
+                "Every process must build the same model (the same sizes and layers): start them with the same"
+                " command and configuration.",
+            )
             _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
         self.model = self.precision_plugin.convert_module(module)
         self._pace_encoders(module)
@@ -547,6 +559,9 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             if self.global_rank != 0:  # global rank 0 tells which rank failed first (`launcher._Script`)
                 record_failure(exception, self.rank_name(self.local_rank))
 
+    def _rank_name_of(self, global_rank: int) -> str:
+        return self.topology.rank_name(*divmod(global_rank, self.topology.procs_per_node))
+
     def rank_name(self, local_rank: int) -> str:
         """A process of this node, for messages: ``global rank 2 (stage1 of <the layout>)``."""
         return self.topology.rank_name(self.node_rank, local_rank)
@@ -604,6 +619,13 @@ def _without_prediction_writers(trainer: "pl.Trainer") -> Callable[[], None]:
         trainer.callbacks = before + [c for c in trainer.callbacks if c not in before]
 
     return put_back
+
+
+_AGREED = (
+    "parallelism", "mode", "stages", "boundaries", "schedule", "stages_per_process", "cpu_workers", "offload",
+    "bucket_size_mb", "shard_cpu_optimizer", "shard_across_nodes", "encoders",
+)  # fmt: skip
+"""The plan's settings every process of a run must have alike (each node's cores and threads its own)."""
 
 
 def _nothing() -> None:

@@ -409,6 +409,26 @@ def gather_object_to(obj: Any, dst: int, group: dist.ProcessGroup) -> list[Any] 
     return parts
 
 
+def check_every_rank_agrees(
+    mine: Any, group: dist.ProcessGroup, rank_name: Callable[[int], str], what: str, advice: str
+) -> None:
+    """Raise on every rank where some rank's ``mine`` (a mapping of comparable values) differs from global
+    rank 0's: processes that each built their own run (popen, torchrun, SLURM, several nodes) from
+    commands or scripts that differ. A collective over ``group``, every rank reaching it."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        differ = [key for key in first if theirs.get(key) != first[key]] + [key for key in theirs if key not in first]
+        if differ:
+            key = differ[0]
+            raise ValueError(
+                f"The processes of this run were started with different {what}: {rank_name(rank)} has {key}"
+                f" {theirs.get(key)!r}, global rank 0 {first.get(key)!r}{' (and more)' if len(differ) > 1 else ''}."
+                f" {advice}"
+            )
+
+
 def connect(
     environment: Any,
     topology: Topology,

@@ -101,13 +101,17 @@ def main() -> None:
     parser.add_argument("--shard-across-nodes", action="store_true")
     parser.add_argument("--lr-find", action="store_true", help="run Tuner(trainer).lr_find before fit")
     parser.add_argument("--signal", help="NAME:STEP[:RANK], e.g. SIGUSR1:5 (every rank) or SIGTERM:3:0")
+    parser.add_argument("--differ", help="RANK:WHAT: this local rank builds a fine-mode strategy (mode) or a wider model (width)")
     args = parser.parse_args()
     if args.fail_before_fit is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_before_fit:
         raise FileNotFoundError("this rank's data is missing")
     # float64 from the start where a checkpoint may load into it (it would be rounded to float32).
     model = {"tied": TiedNet, "batchnorm": BatchNormNet}.get(args.model, Net)(seed=None if args.unseeded else 0)
     model = model.to(torch.float64 if args.resume else torch.float32)
-    layout: dict = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine else {}
+    differ = args.differ.split(":") if args.differ and int(os.environ.get("LOCAL_RANK", 0)) == int(args.differ.split(":")[0]) else []
+    if differ[1:] == ["width"]:  # the model a differing configuration would build
+        model = Net(width=17, seed=0)
+    layout: dict = {"mode": "fine", "offload": [0], "bucket_size_mb": 1e-5} if args.fine or differ[1:] == ["mode"] else {}
     if args.cpu_workers != 1 or args.shard_across_nodes:
         layout.update(cpu_workers=args.cpu_workers, shard_across_nodes=args.shard_across_nodes)
     if args.model in ("replicas", "batchnorm"):

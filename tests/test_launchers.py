@@ -383,6 +383,26 @@ def test_a_rank_that_fails_before_joining_ends_the_run_at_once(tmp_path: Path) -
     assert "this rank's data is missing" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "differ,message",
+    [
+        ("2:mode", "started with different `HeteroStrategy` arguments: global rank 2 \\(stage1 .*\\) has mode 'fine', global rank 0 'coarse'"),
+        ("1:width", "started with different models: global rank 1 \\(stage0 .*\\) has layers.0.weight \\(\\(17, 6\\), 'torch.float32'\\)"),
+    ],
+    ids=["strategy-arguments", "model"],
+)
+def test_processes_started_differently_are_told_so_at_once(tmp_path: Path, differ: str, message: str) -> None:
+    """popen, torchrun, SLURM and several nodes: every process builds its own strategy and model, from
+    its own command; one that differs is named at the start, not by a gloo timeout or abort."""
+    import re
+
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--popen", f"--differ={differ}"]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=clean_env(), timeout=240, capture_output=True, text=True)
+    assert done.returncode != 0 and time.perf_counter() - started < TIMEOUT
+    assert re.search(message, done.stderr), done.stderr[-3000:]
+
+
 def test_a_rank_gone_after_fit_is_named_when_the_others_save_a_checkpoint(tmp_path: Path) -> None:
     """popen: `trainer.save_checkpoint` is a collective, as under DDP; a rank that left the script
     (or a call under `if trainer.is_global_zero:`) fails it with the rank named, not only gloo's
