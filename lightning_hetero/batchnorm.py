@@ -247,7 +247,8 @@ class ReplicaNorm:
         batch, whose shares' modalities say who calls each encoder). An evaluation step normalizes
         with the running statistics, and needs none (unless a layer keeps none)."""
         parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
-        if self.encoders and (training or self.encoder_stats):
+        running = not training and all(m.track_running_stats for m in self.module.modules() if isinstance(m, _BatchNorm))
+        if self.encoders and (training or (self.whole and not running)):
             self._parts = [tuple(part) for part in parts]
             self._rows = [
                 self.rows_of(slice_batch(batch, start, stop, shares.batch_size)) if stop > start else {}  # type: ignore[misc]
@@ -255,7 +256,7 @@ class ReplicaNorm:
             ]
         if not self.whole:
             return
-        if not training and all(m.track_running_stats for m in self.module.modules() if isinstance(m, _BatchNorm)):
+        if running:
             self.stats.group = None
             for stats in self.encoder_stats.values():
                 stats.group = None

@@ -187,6 +187,8 @@ class EncoderProfile:
     """Each process's costs, by place: ``cpu0``, ..., ``device0``, ..."""
     link: LinkProfile
     """Sending between two processes (an encoder's output, its gradient)."""
+    split_only: list[str] = field(default_factory=list)
+    """The modalities whose encoders cannot be placed (``multimodal.unplaceable_encoders``)."""
 
     @property
     def carrying(self) -> dict[str, float]:
@@ -221,7 +223,7 @@ class EncoderProfile:
         places = {f"cpu{i}": scaled(self.places["cpu0"], cpu_speed) for i in range(cpu_workers)}
         places.update({f"device{j}": scaled(self.places["device0"], gpu_speed) for j in range(gpus)})
         link = self.link if link_gbps is None else LinkProfile(self.link.latency, link_gbps * 1e9)
-        return EncoderProfile(self.batch_size, places, link)
+        return EncoderProfile(self.batch_size, places, link, list(self.split_only))
 
     def save(self, path: Union[str, Path]) -> Path:
         with atomic_write(path, "w") as f:
@@ -233,7 +235,7 @@ class EncoderProfile:
         try:
             raw: dict[str, Any] = json.loads(Path(path).read_text())
             places = {name: EncoderTimes(**times) for name, times in raw["places"].items()}
-            return cls(raw["batch_size"], places, LinkProfile(**raw["link"]))
+            return cls(raw["batch_size"], places, LinkProfile(**raw["link"]), list(raw.get("split_only", [])))
         except (KeyError, TypeError, json.JSONDecodeError) as error:
             raise ValueError(f"{path} is not an encoder profile written by WorkloadAnalyzer ({error!r}).") from error
 
@@ -253,7 +255,7 @@ def explain_placement(profile: EncoderProfile, samples: Mapping[str, float], sho
     rows.append("samples of a batch: " + ", ".join(f"{w} {n:g}" for w, n in samples.items()))
     rows.append("")
     rows.append("placement (the others split)        predicted step (encoders and the rest of the model)")
-    ranked = ranked_placements(costs, samples, carrying)
+    ranked = ranked_placements(costs, samples, carrying, split_only=profile.split_only)
     split = predict_placement(costs, samples, carrying, {})
     for prediction in ranked[:shown]:
         name = ", ".join(f"{m}: {w}" for m, w in prediction.placement.items()) or "every encoder split"

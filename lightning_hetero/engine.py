@@ -226,10 +226,11 @@ class StepEngine:
         if buffers is not None:
             self._buffers_checked = True
             _warn_of_changed_buffers(worker.module, buffers)
-        if params is not None and (after or not (self.sync.overlaps and state.syncs)):
+        if params is not None:
+            # Without a gradient here (or with the sums left to another rank), no bucket has stepped yet.
             _warn_of_changed_parameters(worker.module, params, after or None)
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
-        if extras and report.samples and _a_share_is_empty(shares, worker.placement):
+        if extras and _gives_extras(shares, worker.placement, worker.share_range(shares)):
             report.extras = apply_to_collection(extras, Tensor, lambda t: t.detach().cpu())
         report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
@@ -373,11 +374,14 @@ class StepEngine:
         return merge_outputs([p for p in parts if p is not None]) if parts is not None else None
 
 
-def _a_share_is_empty(shares: Shares, placement: Placement) -> bool:
-    """Whether a rank that runs the step methods (a CPU worker, a device replica, a pipeline's last
-    stage) has no sample of the batch ``shares`` divide, the same on every rank."""
+def _gives_extras(shares: Shares, placement: Placement, mine: tuple[int, int]) -> bool:
+    """Whether this rank, whose share is ``mine``, sends the keys its step returned besides the loss:
+    where a rank that runs the step methods (a CPU worker, a device replica, a pipeline's last stage)
+    has no sample of the batch ``shares`` divide, the first one that has (the same on every rank)."""
     devices = len(placement.stage_ranks) if len(placement.bounds) == 1 else 1
-    return any(start == stop for start, stop in shares.cpu) or shares.pipeline_size < devices
+    parts = [*shares.cpu, *(shares.device_part(i, devices) for i in range(devices))]
+    computing = [part for part in parts if part[1] > part[0]]
+    return len(computing) < len(parts) and tuple(mine) == tuple(computing[0])
 
 
 def _written(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[int, int]]) -> str:

@@ -69,7 +69,8 @@ import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
 from lightning_hetero.module import check_fine_clipping
-from lightning_hetero.multimodal import check_placeable
+from lightning_hetero.multimodal import check_placeable, modality_encoders
+from lightning_hetero.batchnorm import has_batch_norm
 from lightning_hetero.signals import pass_on
 from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, recorded_failures
 
@@ -430,6 +431,19 @@ def _forget_compile_pools() -> None:
         cache_clear()
 
 
+def _warn_of_encoder_norms_over_nodes(model: LightningModule) -> None:
+    """Several nodes, ``sync_batchnorm=True``: an encoder's BatchNorm sums over every worker with a
+    share, and a worker whose share carries none of its modality does not call it."""
+    normed = [m for m, encoder in modality_encoders(model).items() if has_batch_norm(encoder)]
+    if normed:
+        warnings.warn(
+            f"`sync_batchnorm=True` on several nodes: the BatchNorm of encoder {normed[0]!r} takes its statistics"
+            " over every worker with a share of a batch, and a worker whose share carries no input of that modality"
+            " does not call it, so the others would wait for it until the timeout. Give every share every"
+            " modality (or one node: there the statistics follow the modality's rows), or keep `sync_batchnorm` off."
+        )
+
+
 def _check_main_guard(start_method: str) -> None:
     """A spawned process imports the main script again, all of its top level: a Trainer started there,
     outside ``if __name__ == "__main__":``, would start again in every process, which Python refuses
@@ -769,6 +783,8 @@ class HeteroLauncher(_Launcher):
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
             check_placeable(model, self._strategy.plan.encoders, self._strategy.whole_batch_norm)
+            if self._strategy.whole_batch_norm and self._strategy.num_nodes > 1:
+                _warn_of_encoder_norms_over_nodes(model)
         if trainer is not None and model is not None:
             pipeline = self._strategy.plan.for_model(model).parallelism == "pipeline"
             callbacks = [*trainer.callbacks, *_model_callbacks(model)]

@@ -457,7 +457,9 @@ class EncoderExchange:
                 else:
                     self.encoders[modality].forward = forward  # type: ignore[method-assign]
             for modality, taken in hooks.items():
-                vars(self.encoders[modality]).update(taken)
+                for name, held in taken.items():  # with any the step registered since
+                    held.update(vars(self.encoders[modality])[name])
+                    setattr(self.encoders[modality], name, held)
 
     def _check_call(self, modality: str, args: tuple, kwargs: dict) -> None:
         """What every process (the host too, on its own share) asks of a call of a placed encoder: one

@@ -1530,7 +1530,7 @@ def _place_encoders(parser: Any, args: Any) -> None:
             args.gpus, args.gpu_speed, args.cpu_workers, args.cpu_speed, args.sync_gbps
         )
         samples = samples_by_place(args.batch_size if args.batch_size is not None else profile.batch_size, args.cpu_fraction, args.cpu_workers, args.gpus)
-        best = best_placement(profile.costs(), samples, profile.carrying)
+        best = best_placement(profile.costs(), samples, profile.carrying, split_only=profile.split_only)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     print("encoders: " + (", ".join(f"{m}: {w}" for m, w in best.placement.items()) or "every encoder split"))

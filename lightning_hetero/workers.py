@@ -268,6 +268,10 @@ class Worker:
         """Whether the module's step methods run here (not on a stage before the last)."""
         return True
 
+    def share_range(self, shares: Shares) -> tuple[int, int]:
+        """The samples ``[start, stop)`` of a batch this rank computes (a stage: the pipeline's)."""
+        return shares.pipeline
+
     def sum_over(self, params: list[nn.Parameter], stage: int) -> SumOver:
         """Whom this rank sums ``params`` (of ``stage``) with: that stage's sync group."""
         return SumOver(params, self.placement.sync_groups[stage])
@@ -422,6 +426,10 @@ class Worker:
 class _WholeModel(Worker):
     """A whole model on this rank's device, running the module's own step methods on its share of
     each batch (``_range``), forward and backward, as a single process would on that share."""
+
+    @override
+    def share_range(self, shares: Shares) -> tuple[int, int]:
+        return self._range(shares)
 
     def _range(self, shares: Shares) -> tuple[int, int]:
         raise NotImplementedError

@@ -5,6 +5,7 @@ mid-run, across a resume, and with samples that lack a modality."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -570,21 +571,28 @@ def test_whole_batch_statistics_in_an_encoder_some_shares_do_not_call(tmp_path: 
     assert_same_run(tmp_path, hetero(cpu_fraction=0.3, encoders=encoders), partial(Multimodal, norm=True), data, sync_batchnorm=True)
 
 
+@pytest.mark.parametrize("searcher", ["analyzer", "mix"])
 @pytest.mark.parametrize("model", [partial(Multimodal, norm=True), StatelessNormImage], ids=["running-stats", "whole-batch-stats"])
 def test_the_analyzer_and_the_mix_rebalancer_leave_an_encoder_that_cannot_be_placed_split(
-    tmp_path: Path, model: Any
+    tmp_path: Path, model: Any, searcher: str
 ) -> None:
     """Both search every place for every encoder: one with BatchNorm stays split (its statistics would
-    be one process's), the other is placed where it pays, and the run stays the one-process model."""
+    be one process's), and the run stays the one-process model; the analyzer's table ranks only
+    placements the run can take."""
     from lightning_hetero.callbacks import MixRebalancer, WorkloadAnalyzer
-    analyzer = WorkloadAnalyzer(repeats=1, measure_steps=1, save_dir=str(tmp_path / "plans"))
-    mix = MixRebalancer(every_n_steps=3, repeats=1)
+    from lightning_hetero.encoder_planner import EncoderProfile
+
+    plans = tmp_path / "plans"
+    callback = WorkloadAnalyzer(repeats=1, measure_steps=1, save_dir=str(plans)) if searcher == "analyzer" else MixRebalancer(every_n_steps=3, repeats=1)
     # Emulated speeds that make the image encoder pay to place on a device, as the mix turns to images.
     speeds = {"image@cpu": 300.0, "image@device": 20000.0, "text@cpu": 20000.0, "text@device": 300.0}
     strategy = hetero(cpu_fraction=0.3, emulated_speed=speeds)
     data = partial(phased_data, n=240, switch=120)
-    assert_same_run(tmp_path, strategy, model, data, callbacks=[analyzer, mix], steps=12, sync_batchnorm=True)
-    assert "image" not in HeteroPlan.load(tmp_path / "plans" / "plan.yaml").encoders
+    assert_same_run(tmp_path, strategy, model, data, callbacks=[callback], steps=12, sync_batchnorm=True)
+    if searcher == "analyzer":
+        assert "image" not in HeteroPlan.load(plans / "plan.yaml").encoders
+        assert EncoderProfile.load(plans / "encoders.json").split_only == ["image"]
+        assert "image: " not in (plans / "explain.txt").read_text()
 
 
 class OneEncoderForTwo(Multimodal):
@@ -595,3 +603,15 @@ class OneEncoderForTwo(Multimodal):
 def test_encoders_that_break_the_contract_are_refused_before_any_process_starts_placed_or_not(no_processes: None) -> None:
     with pytest.raises(ValueError, match="Encoders 'text' and 'title' of `OneEncoderForTwo` share a parameter"):
         trainer(hetero(cpu_fraction=0.3), max_steps=1).fit(OneEncoderForTwo(), multimodal_data())
+
+
+def test_whole_batch_statistics_of_an_encoder_over_several_nodes_are_warned_of() -> None:
+    """Over several nodes the encoders' statistics sum over every worker with a share, which a share
+    without the modality does not join: said before start (the launch calls this with num_nodes > 1)."""
+    from lightning_hetero.launcher import _warn_of_encoder_norms_over_nodes
+
+    with pytest.warns(UserWarning, match="BatchNorm of encoder 'image' takes its statistics over every worker"):
+        _warn_of_encoder_norms_over_nodes(Multimodal(norm=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_of_encoder_norms_over_nodes(Multimodal())

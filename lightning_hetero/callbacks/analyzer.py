@@ -201,8 +201,8 @@ class WorkloadAnalyzer(L.Callback):
         profile = profile_encoders(trainer, strategy, self.repeats)
         topology = strategy.topology
         samples = samples_by_place(profile.batch_size, plan.cpu_fraction, topology.cpu_workers, topology.num_stages)
-        split_only = unplaceable_encoders(trainer.lightning_module, strategy.whole_batch_norm)
-        self.placement = (profile, samples, best_placement(profile.costs(), samples, profile.carrying, split_only=split_only))
+        best = best_placement(profile.costs(), samples, profile.carrying, split_only=profile.split_only)
+        self.placement = (profile, samples, best)
         return replace(plan, encoders=self.placement[2].placement)
 
     def plan_layout(
@@ -761,7 +761,7 @@ def profile_encoders(trainer: L.Trainer, strategy: "HeteroStrategy", repeats: in
     result: list[Any] = [None]
     if strategy.global_rank == 0:
         assert parts is not None
-        profile = EncoderProfile(batch_size_of(batch), {}, parts[0][2])
+        profile = EncoderProfile(batch_size_of(batch), {}, parts[0][2], sorted(unplaceable_encoders(module, strategy.whole_batch_norm)))
         # The mix of modalities from more than one batch: a single batch's can be far from the data's.
         mix = {m: statistics.mean(found[m] for found in mixes) for m in mixes[0]}
         for name, timed, _ in parts:

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_hetero.encoder_planner import EncoderProfile, best_placement, predict_placement, samples_by_place
-from lightning_hetero.multimodal import carrying, unplaceable_encoders
+from lightning_hetero.multimodal import carrying
 from lightning_hetero.shares import batch_size_of
 from lightning_hetero.strategy import hetero_strategy
 
@@ -69,8 +69,6 @@ class MixFollower:
     window: dict[str, float] = field(default_factory=dict)
     """Each modality's share of the samples of the batches since the last decision, summed."""
     batches: int = 0
-    split_only: set[str] = field(default_factory=set)
-    """The modalities whose encoders cannot be placed (``multimodal.unplaceable_encoders``)."""
 
     def observe(self, carrying: dict[str, float]) -> None:
         """A batch's share of samples carrying each modality."""
@@ -105,7 +103,7 @@ class MixFollower:
             self.placement = trying["previous"]
             return "undo", predict_placement(costs, samples, self.mix, self.placement).step_s
         current = predict_placement(costs, samples, self.mix, self.placement)
-        best = best_placement(costs, samples, self.mix, split_only=self.split_only)
+        best = best_placement(costs, samples, self.mix, split_only=self.profile.split_only)
         refused = self.refused.get(_key(best.placement), 0) > self.decisions
         if best.placement != self.placement and best.step_s < current.step_s * (1 - self.min_gain) and not refused:
             self.trying = {"previous": dict(self.placement), "baseline_s": step_s, "mix": measured}
@@ -184,7 +182,6 @@ class MixRebalancer(L.Callback):
 
             profile = profile_encoders(trainer, strategy, self.repeats)
         self.follower = MixFollower(profile, strategy.encoder_placement, self.smoothing, self.min_gain)
-        self.follower.split_only = set(unplaceable_encoders(pl_module, strategy.whole_batch_norm))
         reason = "start"
         if self._restored is not None:
             restored = self._restored["follower"]
