@@ -457,9 +457,7 @@ class EncoderExchange:
                 else:
                     self.encoders[modality].forward = forward  # type: ignore[method-assign]
             for modality, taken in hooks.items():
-                for name, held in taken.items():  # with any the step registered since
-                    held.update(vars(self.encoders[modality])[name])
-                    setattr(self.encoders[modality], name, held)
+                _put_back_hooks(self.encoders[modality], taken)
 
     def _check_call(self, modality: str, args: tuple, kwargs: dict) -> None:
         """What every process (the host too, on its own share) asks of a call of a placed encoder: one
@@ -585,11 +583,25 @@ _HOOKS = (
 
 
 def _take_hooks(module: nn.Module) -> dict[str, Any]:
-    """Take ``module``'s own forward and backward hooks off it (``vars(module).update`` puts them back)."""
-    taken = {name: vars(module)[name] for name in _HOOKS if name in vars(module)}
-    for name, hooks in taken.items():
-        setattr(module, name, type(hooks)())
+    """Take ``module``'s own forward and backward hooks off it, for ``_put_back_hooks``. The module keeps
+    its dicts of hooks (their handles remove from them), emptied meanwhile."""
+    taken = {}
+    for name in _HOOKS:
+        hooks = vars(module).get(name)
+        if hooks:
+            taken[name] = dict(hooks)
+            hooks.clear()
     return taken
+
+
+def _put_back_hooks(module: nn.Module, taken: dict[str, Any]) -> None:
+    """The hooks ``_take_hooks`` took, in their order, before any registered since."""
+    for name, held in taken.items():
+        hooks = vars(module)[name]
+        since = dict(hooks)
+        hooks.clear()
+        hooks.update(held)
+        hooks.update(since)
 
 
 def _on_host(tensor: Tensor) -> Tensor:

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.utils import _sync_module_states
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -318,7 +319,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         mesh = self._groups.mesh if self._groups is not None else None
         self._groups = connect(self.cluster_environment, self.topology, self.global_rank, self._timeout, name, gone, mesh)
         log.debug("hetero: %s joined its process groups", name)
-        if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
+        if self._builds_its_own_run:
             # Each process made its own strategy (popen, torchrun, SLURM; every node): from the same arguments?
             agreed = {key: getattr(self._plan, key) for key in _AGREED}
             check_every_rank_agrees(
@@ -391,9 +392,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         assert self._groups is not None
         planned = self._planner is not None and module.trainer.state.fn == TrainerFn.FITTING
         layers = self.check_model(module, cut_later=planned)
-        if not (isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process):
-            # Each process built its own model (popen, torchrun, SLURM): start all from rank 0's, the same model.
-            shapes = {name: (tuple(t.shape), str(t.dtype)) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        if self._builds_its_own_run:
+            # Each process built its own model (popen, torchrun, SLURM, every node): start all from rank 0's, the same model.
+            named = [*module.named_parameters(), *module.named_buffers()]
+            shapes = {name: ("lazy",) if is_lazy(t) else (tuple(t.shape), str(t.dtype)) for name, t in named}
             check_every_rank_agrees(
                 shapes, self._groups.control, self._rank_name_of, "models",
                 "Every process must build the same model (the same sizes and layers): start them with the same"
@@ -558,6 +560,13 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             exception.add_note(self.describe_rank())
             if self.global_rank != 0:  # global rank 0 tells which rank failed first (`launcher._Script`)
                 record_failure(exception, self.rank_name(self.local_rank))
+
+    @property
+    def _builds_its_own_run(self) -> bool:
+        """Whether each process made its own strategy and model (popen, torchrun, SLURM; every node of
+        a run over several), rather than copying the main process's (fork, spawn on one node)."""
+        copies = isinstance(self.launcher, HeteroLauncher) and self.launcher.copies_main_process
+        return not copies or self.num_nodes > 1
 
     def _rank_name_of(self, global_rank: int) -> str:
         return self.topology.rank_name(*divmod(global_rank, self.topology.procs_per_node))

@@ -261,6 +261,19 @@ def test_two_nodes_match_ddp_on_two_processes(tmp_path: Path, mode: str, model: 
     assert (tmp_path / "predicted.txt").read_text() == "13"  # node 0's share of 25 samples
 
 
+def test_two_nodes_of_the_strategys_own_fork_launch_start_from_one_model(tmp_path: Path) -> None:
+    """`start_method="fork"` on every node (`NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT` set): each node's
+    main process builds its own model, unseeded here; every rank starts from global rank 0's and
+    ends with the same trained model."""
+    env = {**clean_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port())}
+    script = [sys.executable, str(SCRIPT), str(tmp_path), "--num-nodes=2", "--unseeded"]
+    processes = [subprocess.Popen(script, env={**env, "NODE_RANK": str(n)}) for n in range(2)]
+    assert [process.wait(timeout=240) for process in processes] == [0, 0]
+    # Each node's main process holds what its first rank (global rank 0, 3) handed back.
+    held = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 3)]
+    assert max_param_diff(held[0], held[1]) == 0
+
+
 @pytest.mark.parametrize(
     ("mode", "cpu_workers", "across"),
     [("fine", 1, True), ("coarse", 2, True), ("fine", 2, False)],

@@ -615,3 +615,23 @@ def test_whole_batch_statistics_of_an_encoder_over_several_nodes_are_warned_of()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_of_encoder_norms_over_nodes(Multimodal())
+
+
+def test_hooks_taken_off_a_received_encoder_keep_their_handles() -> None:
+    """A hook registered while the encoder's are off (during a step) comes back after them, and every
+    handle, earlier or later, still removes its hook."""
+    from lightning_hetero.multimodal import _put_back_hooks, _take_hooks
+
+    module, calls = torch.nn.Linear(2, 2), []
+    first = module.register_forward_hook(lambda *_: calls.append("first"))
+    taken = _take_hooks(module)
+    module(torch.zeros(1, 2))
+    assert calls == []
+    later = module.register_forward_hook(lambda *_: calls.append("later"))
+    _put_back_hooks(module, taken)
+    module(torch.zeros(1, 2))
+    assert calls == ["first", "later"]
+    first.remove()
+    later.remove()
+    module(torch.zeros(1, 2))
+    assert calls == ["first", "later"]
