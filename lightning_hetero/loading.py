@@ -63,8 +63,12 @@ def tunable(loader: Any, policy: LoaderPolicy) -> bool:
     """Whether the package may choose ``loader``'s worker processes under ``policy``. Not where a
     ``RandomSampler`` shuffles from a generator of its own: it draws once more from it when its
     indices run out, which worker processes reach by prefetching and Lightning's loop without them
-    does not, so the next epoch's order would follow the worker count."""
+    does not, so the next epoch's order would follow the worker count. Not over an ``IterableDataset``
+    either: each worker iterates it (sharding itself by ``get_worker_info()``, or not), so the worker
+    count decides what is in a batch."""
     if not isinstance(loader, DataLoader) or isinstance(policy, int) or policy == "keep":
+        return False
+    if isinstance(loader.dataset, IterableDataset):
         return False
     sampler = sampler_of(loader)
     if isinstance(sampler, RandomSampler) and sampler.generator is not None:

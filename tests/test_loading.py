@@ -18,7 +18,8 @@ import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import get_worker_info
 
 from lightning_hetero import HeteroPlan, HeteroStrategy
 from lightning_hetero.callbacks import AdaptiveRebalancer, WorkloadAnalyzer
@@ -134,6 +135,9 @@ def test_which_loaders_the_run_may_tune() -> None:
     # Shuffled from its own generator: its order would follow the worker count (see `tunable`).
     seeded = DataLoader(BusyData(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
     assert not tunable(seeded, "auto") and not tunable(seeded, "tune")
+    # Over an iterable dataset each worker iterates it: the worker count decides what is in a batch.
+    iterable = DataLoader(ShardedByWorker(), batch_size=4)
+    assert not tunable(iterable, "auto") and not tunable(iterable, "tune")
     with pytest.raises(ValueError, match="dataloader_workers"):
         HeteroStrategy(dataloader_workers="many")  # type: ignore[arg-type]
 
@@ -462,3 +466,32 @@ def test_a_new_split_of_the_cores_is_saved_without_a_collective_on_rank_zero_alo
     run.fit(Net(), data)
     seen = [[json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()] for r in range(2)]
     assert seen[0] == seen[1] == [["step", step] for step in range(1, 9)]
+
+
+class ShardedByWorker(IterableDataset):
+    """Each DataLoader worker yields every ``num_workers``-th sample, the usual iterable dataset."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(48, 6, generator=g, dtype=torch.float64), torch.randn(48, 3, generator=g, dtype=torch.float64)
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return ((self.x[i], self.y[i]) for i in range(len(self.x)) if i % workers == worker)
+
+
+class MovesTheWorkers(L.Callback):
+    """What the rebalancer does where loading stalls: the training loaders' workers, from epoch 1 on."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            trainer.strategy.set_dataloader_workers(2)
+
+
+def test_an_iterable_datasets_loader_keeps_its_workers_and_so_its_batches() -> None:
+    plain, model = Net(optimizer="sgd", scheduler=False), Net(optimizer="sgd", scheduler=False)
+    trainer(None, max_epochs=3).fit(plain, DataLoader(ShardedByWorker(), batch_size=12))
+    run = trainer(hetero(), max_epochs=3, callbacks=[MovesTheWorkers()])
+    run.fit(model, DataLoader(ShardedByWorker(), batch_size=12))
+    assert max_param_diff(plain, model) < 1e-10
