@@ -11,6 +11,7 @@ model's encoders may be placed elsewhere at any batch (``set_encoder_placement``
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -58,7 +59,7 @@ class RunLayout:
     _planner: Optional[Planner]
     _groups: Optional[ProcessGroups]
     _engine: Optional[StepEngine]
-    _tuned_loaders: list[DataLoader]
+    _tuned_loaders: list[weakref.ref[DataLoader]]
     _loader_policy: LoaderPolicy
     _schedule_request: Optional[tuple[Any, Any]]
     _given: dict[str, Any]
@@ -254,13 +255,15 @@ class RunLayout:
 
     @property
     def tuned_loaders(self) -> list[DataLoader]:
-        """The training DataLoaders whose worker processes this run may change (``dataloader_workers``)."""
-        return list(self._tuned_loaders)
+        """The training DataLoaders whose worker processes this run may change (``dataloader_workers``):
+        those still in use (a loader made again each epoch leaves the earlier ones to be freed)."""
+        self._tuned_loaders[:] = [ref for ref in self._tuned_loaders if ref() is not None]
+        return [loader for loader in (ref() for ref in self._tuned_loaders) if loader is not None]
 
     def set_dataloader_workers(self, workers: int) -> None:
         """Give the training DataLoaders this run tunes ``workers`` worker processes per rank from their
         next iterator on: call it between epochs (``on_train_epoch_start``), since an iterator's worker
         processes are fixed when it starts."""
         self._plan = replace(self._plan, dataloader_workers=workers)
-        for loader in self._tuned_loaders:
+        for loader in self.tuned_loaders:
             set_workers(loader, workers)

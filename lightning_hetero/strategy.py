@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -167,7 +168,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         self._loader_policy = check_loader_policy(dataloader_workers)
         if isinstance(self._loader_policy, int):
             self._plan = replace(self._plan, dataloader_workers=self._loader_policy)
-        self._tuned_loaders: list[DataLoader] = []  # this process's, from `process_dataloader` (not pickled by then)
+        self._tuned_loaders: list[weakref.ref[DataLoader]] = []  # this process's, from `process_dataloader` (not pickled by then)
         self._stage_devices = resolve_stage_devices(self._plan.stages)
         self._start_method = resolve_start_method(start_method)
         self._timeout = _check_timeout(timeout)
@@ -262,7 +263,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             return dataloader
         dataloader = with_workers(dataloader, workers) if workers is not None else dataloader
         if stage == RunningStage.TRAINING and not isinstance(policy, int):
-            self._tuned_loaders.append(dataloader)  # type: ignore[arg-type]
+            self._tuned_loaders.append(weakref.ref(dataloader))  # type: ignore[arg-type]
         return dataloader
 
     @property

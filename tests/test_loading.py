@@ -495,3 +495,31 @@ def test_an_iterable_datasets_loader_keeps_its_workers_and_so_its_batches() -> N
     run = trainer(hetero(), max_epochs=3, callbacks=[MovesTheWorkers()])
     run.fit(model, DataLoader(ShardedByWorker(), batch_size=12))
     assert max_param_diff(plain, model) < 1e-10
+
+
+class CountsTunedLoaders(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out, self.counts = out, []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+
+        gc.collect()
+        self.counts.append(len(trainer.strategy.tuned_loaders))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.out / f"counts{trainer.global_rank}.json").write_text(json.dumps(self.counts))
+
+
+def test_loaders_made_again_each_epoch_are_not_held(tmp_path: Path) -> None:
+    """`reload_dataloaders_every_n_epochs=1`: the run tunes the loader of the epoch, and lets the
+    earlier ones (and their datasets) go."""
+
+    class Reloads(Net):
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(self.current_epoch)
+            return DataLoader(TensorDataset(torch.randn(24, 6, generator=g), torch.randn(24, 3, generator=g)), batch_size=12)
+
+    trainer(hetero(), max_epochs=4, reload_dataloaders_every_n_epochs=1, callbacks=[CountsTunedLoaders(tmp_path)]).fit(Reloads())
+    for path in sorted(tmp_path.glob("counts*.json")):
+        assert json.loads(path.read_text()) == [1, 1, 1, 1], path.name
