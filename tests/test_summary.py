@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import WandbLogger
 from PIL import Image
 
 from lightning_hetero.callbacks import AdaptiveRebalancer, UtilizationMonitor
-from lightning_hetero.callbacks.summary import GAP, LABEL, TOP, DeviceTotals, RunSummary, Throughput, cpu_gain
+from lightning_hetero.callbacks.summary import GAP, LABEL, TOP, DeviceTotals, RunSummary, Throughput, cpu_gain, settled_rates
 from lightning_hetero.callbacks.summary import summary_image, write_png
 from lightning_hetero.record import StepRecord
 from tests.conftest import hetero, trainer
@@ -73,6 +73,11 @@ def test_table_and_keys() -> None:
     assert metrics["hetero/cpu_gain"] == pytest.approx(0.25) and metrics["hetero/samples_per_s_without_cpu"] == 100.0
     assert metrics["hetero/cpu0/share"] == 0.3 and metrics["hetero/cpu_fraction"] == 0.3
     assert "no batches ran without the CPU" in RunSummary(devices, 125.0, 0.3).table()
+    # Batches at fraction 0 were counted, but none with a share settled at one fraction (moved each window).
+    moved = RunSummary(devices, 125.0, 0.8, settled_without=True).table()
+    assert "no batches with the CPU's share ran long enough at one fraction" in moved and "without the CPU's share to" not in moved
+    rates = settled_rates([0.0, 0.0, 0.0, 0.5, 0.5, 0.7, 0.7, 1.0], [1.0] * 8, [10] * 8, settle=2)
+    assert [fraction for fraction, _ in rates] == [0.0]
     assert "in runs of at least 3 x (compare_steps + 2) optimizer steps" in RunSummary(devices, 125.0, 0.3).table()
     assert "with no CPU worker" in RunSummary(devices, 125.0, 0.0, cpu_workers=0).table()
     assert "had no share of any batch" in RunSummary(devices, 125.0, 0.0, cpu_shared=False).table()

@@ -40,7 +40,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hetero.callbacks.summary import DeviceTotals, RunSummary, cpu_gain, summary_image, write_png
+from lightning_hetero.callbacks.summary import DeviceTotals, RunSummary, cpu_gain, settled_rates, summary_image, write_png
 from lightning_hetero.devices import device_stats
 from lightning_hetero.files import atomic_write
 from lightning_hetero.record import StepRecord
@@ -370,8 +370,10 @@ class UtilizationMonitor(L.Callback):
         self.summary = RunSummary(
             devices=devices,
             samples_per_s=sum(sizes) / sum(walls) if walls and sum(walls) > 0 else 0.0,
-            fraction=strategy.cpu_fraction,
+            # The last batch's: a decision after the last step changes no batch.
+            fraction=fractions[-1] if fractions else strategy.cpu_fraction,
             gain=cpu_gain(fractions, walls, sizes, settle=_SETTLE),
+            settled_without=any(fraction == 0 for fraction, _ in settled_rates(fractions, walls, sizes, settle=_SETTLE)),
             cpu_workers=topology.cpu_workers,
             # Batches too small to split leave the CPU workers none at any fraction.
             cpu_shared=any(t.samples for role, t in zip(roles, totals) if role.is_cpu_worker),

@@ -23,7 +23,7 @@ import numpy as np
 from lightning_hetero.files import atomic_write
 from lightning_hetero.record import StepRecord
 
-__all__ = ["DeviceTotals", "Throughput", "CpuGain", "RunSummary", "cpu_gain", "summary_image", "write_png"]
+__all__ = ["DeviceTotals", "Throughput", "CpuGain", "RunSummary", "cpu_gain", "settled_rates", "summary_image", "write_png"]
 
 BUSY = ("compute", "stage", "optimizer")
 """Span kinds in which a rank computes (its share, its layers, its optimizer step)."""
@@ -126,17 +126,26 @@ class CpuGain:
         return self.with_cpu.low / self.without.high - 1.0, self.with_cpu.high / self.without.low - 1.0
 
 
-def cpu_gain(fractions: Sequence[float], walls: Sequence[float], batch_sizes: Sequence[int], settle: int = 2) -> Optional[CpuGain]:
-    """What the CPU bought, from every batch's CPU fraction, wall time (the slowest rank's) and
-    size, in order. The first batch and the ``settle`` batches after each change of fraction are
-    left out (one-time costs, a CPU worker catching up). The batches at the last fraction the CPU
-    had a share at are compared with those at fraction 0; ``None`` where either is missing."""
+def settled_rates(
+    fractions: Sequence[float], walls: Sequence[float], batch_sizes: Sequence[int], settle: int = 2
+) -> list[tuple[float, float]]:
+    """(CPU fraction, samples/s) of the batches ``cpu_gain`` compares: all but the first, and the
+    ``settle`` batches after each change of fraction."""
     kept: list[tuple[float, float]] = []
     since_change = 0
     for index, (fraction, wall, size) in enumerate(zip(fractions, walls, batch_sizes)):
         since_change = since_change + 1 if index and fraction == fractions[index - 1] else 0
         if index and since_change >= settle and wall > 0:
             kept.append((fraction, size / wall))
+    return kept
+
+
+def cpu_gain(fractions: Sequence[float], walls: Sequence[float], batch_sizes: Sequence[int], settle: int = 2) -> Optional[CpuGain]:
+    """What the CPU bought, from every batch's CPU fraction, wall time (the slowest rank's) and
+    size, in order. The first batch and the ``settle`` batches after each change of fraction are
+    left out (one-time costs, a CPU worker catching up). The batches at the last fraction the CPU
+    had a share at are compared with those at fraction 0; ``None`` where either is missing."""
+    kept = settled_rates(fractions, walls, batch_sizes, settle)
     shared = [fraction for fraction, _ in kept if fraction > 0]
     if not shared:
         return None
@@ -156,12 +165,14 @@ class RunSummary:
     samples_per_s: float
     """The run's throughput: every batch's samples over its wall time."""
     fraction: float
-    """The CPU fraction the run ended with."""
+    """The CPU fraction the run's last batch trained at."""
     gain: Optional[CpuGain] = None
     cpu_workers: int = 1
     """CPU workers per node."""
     cpu_shared: bool = True
     """Some batch of the run gave the CPU workers a share."""
+    settled_without: bool = False
+    """Some batch the comparison counts ran at fraction 0 (``settled_rates``)."""
 
     def table(self) -> str:
         """The devices as a text table, then a line on what the CPU bought."""
@@ -180,6 +191,12 @@ class RunSummary:
             return f"The run trained {self.samples_per_s:,.0f} samples/s, with no CPU worker."
         if gain is None and not self.cpu_shared:
             return f"The run trained {self.samples_per_s:,.0f} samples/s; the CPU workers had no share of any batch."
+        if gain is None and self.settled_without:
+            return (
+                f"The run trained {self.samples_per_s:,.0f} samples/s, its last batches at CPU fraction"
+                f" {self.fraction:.2f}; no batches with the CPU's share ran long enough at one fraction to compare with"
+                " those without it (the first batches after each change of fraction are left out)."
+            )
         if gain is None:
             return (
                 f"The run trained {self.samples_per_s:,.0f} samples/s at CPU fraction {self.fraction:.2f}; no batches"
