@@ -576,32 +576,34 @@ class EncoderExchange:
         return torch.empty(shape, dtype=dtype, pin_memory=self._device.type == "cuda")
 
 
-_HOOKS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
-)  # fmt: skip
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _no_hook(*args: Any) -> None:
+    """A hook's place while it is taken off: it changes nothing."""
 
 
 def _take_hooks(module: nn.Module) -> dict[str, Any]:
-    """Take ``module``'s own forward and backward hooks off it, for ``_put_back_hooks``. The module keeps
-    its dicts of hooks (their handles remove from them), emptied meanwhile."""
+    """Take ``module``'s own forward and backward hooks off it, for ``_put_back_hooks``. Each keeps its
+    place (and its handle), holding a hook that changes nothing meanwhile, so that a handle removed
+    meanwhile removes it for good."""
     taken = {}
     for name in _HOOKS:
         hooks = vars(module).get(name)
         if hooks:
             taken[name] = dict(hooks)
-            hooks.clear()
+            for key in hooks:
+                hooks[key] = _no_hook
     return taken
 
 
 def _put_back_hooks(module: nn.Module, taken: dict[str, Any]) -> None:
-    """The hooks ``_take_hooks`` took, in their order, before any registered since."""
+    """The hooks ``_take_hooks`` took, where they still are (not removed since)."""
     for name, held in taken.items():
         hooks = vars(module)[name]
-        since = dict(hooks)
-        hooks.clear()
-        hooks.update(held)
-        hooks.update(since)
+        for key, hook in held.items():
+            if hooks.get(key) is _no_hook:
+                hooks[key] = hook
 
 
 def _on_host(tensor: Tensor) -> Tensor:

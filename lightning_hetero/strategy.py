@@ -402,7 +402,8 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
                 "Every process must build the same model (the same sizes and layers): start them with the same"
                 " command and configuration.",
             )
-            _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=set())
+            lazy = {name for name, t in named if is_lazy(t)}  # no values yet: each process makes them alike
+            _sync_module_states(module, self._groups.control, 250 * 2**20, src=0, params_and_buffers_to_ignore=lazy)
         self.model = self.precision_plugin.convert_module(module)
         self._pace_encoders(module)
         if planned:

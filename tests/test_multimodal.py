@@ -635,3 +635,10 @@ def test_hooks_taken_off_a_received_encoder_keep_their_handles() -> None:
     later.remove()
     module(torch.zeros(1, 2))
     assert calls == ["first", "later"]
+    # A hook removed while taken off stays removed.
+    gone = module.register_forward_hook(lambda *_: calls.append("gone"))
+    taken = _take_hooks(module)
+    gone.remove()
+    _put_back_hooks(module, taken)
+    module(torch.zeros(1, 2))
+    assert calls == ["first", "later"]

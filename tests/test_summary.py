@@ -10,7 +10,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 from lightning.pytorch.loggers import WandbLogger
@@ -203,3 +205,24 @@ def test_pictures_go_to_tensorboard_too() -> None:
     board, image = Board(), summary_image({"cpu0": {"busy": 1.0}})
     UtilizationMonitor()._log_image(SimpleNamespace(loggers=[board], global_step=7), image, "util/summary", "")
     assert board.images == [("util/summary", image.shape, 7, "HWC")]
+
+
+class StopsInsideTheComparison(L.Callback):
+    """Stops the run a step into the monitor's own stretch at fraction 0 (as early stopping might)."""
+
+    def __init__(self, monitor: UtilizationMonitor) -> None:
+        self.monitor = monitor
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        compare = self.monitor._compare
+        if compare is not None and trainer.global_step == compare[0] + 1:
+            trainer.should_stop = True
+
+
+def test_a_run_stopped_inside_the_comparison_reports_its_own_fraction(tmp_path: Path) -> None:
+    monitor = UtilizationMonitor(compare_steps=2)
+    callbacks = [monitor, StopsInsideTheComparison(monitor)]
+    trainer(hetero(cpu_fraction=0.5), tmp_path, max_steps=40, callbacks=callbacks).fit(Net(), regression_data(n=48))
+    rows = read_metrics(tmp_path)
+    assert [row["hetero/cpu_fraction"] for row in rows if "hetero/cpu_fraction" in row] == [0.5]
+    assert max(int(row["step"]) for row in rows) < 20  # it did stop early

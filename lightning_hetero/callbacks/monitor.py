@@ -205,6 +205,7 @@ class UtilizationMonitor(L.Callback):
         self._totals = DeviceTotals()
         self._seen: Optional[StepRecord] = None
         self._compare: Optional[tuple[int, int, float]] = None
+        self._ended_inside_comparison = False
         self.last: dict[str, float] = {}
         """The metrics of the latest window (global rank 0)."""
         self._batches = 0
@@ -222,6 +223,7 @@ class UtilizationMonitor(L.Callback):
         device_stats(strategy.root_device, meter="monitor")  # start the CPU-time meter
         self._batches, self._last_step, self._last_image, self.last = 0, trainer.global_step, trainer.global_step, {}
         self._totals, self._seen, self._compare = DeviceTotals(), None, self._comparison(trainer, strategy)
+        self._ended_inside_comparison = False
         if trainer.is_global_zero:
             with _warn_on_error("log the layout"):
                 for logger in trainer.loggers:  # the run's config
@@ -251,8 +253,10 @@ class UtilizationMonitor(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = hetero_strategy(trainer)
         if strategy is not None and self._enabled:
-            if self._compare is not None and trainer.global_step > self._compare[0]:
+            ended_inside = self._compare is not None and trainer.global_step > self._compare[0]
+            if ended_inside:
                 strategy.set_cpu_fraction(self._compare[2])  # the run ended inside the comparison
+            self._ended_inside_comparison = ended_inside
             self._write_trace(trainer, strategy, summarize=self.summarize)
 
     # --------------------------------------------------------------- comparison
@@ -370,8 +374,9 @@ class UtilizationMonitor(L.Callback):
         self.summary = RunSummary(
             devices=devices,
             samples_per_s=sum(sizes) / sum(walls) if walls and sum(walls) > 0 else 0.0,
-            # The last batch's: a decision after the last step changes no batch.
-            fraction=fractions[-1] if fractions else strategy.cpu_fraction,
+            # The last batch's (a decision after the last step changes no batch), but the run's own where
+            # its last batches were the monitor's comparison without the CPU.
+            fraction=fractions[-1] if fractions and not self._ended_inside_comparison else strategy.cpu_fraction,
             gain=cpu_gain(fractions, walls, sizes, settle=_SETTLE),
             settled_without=any(fraction == 0 for fraction, _ in settled_rates(fractions, walls, sizes, settle=_SETTLE)),
             cpu_workers=topology.cpu_workers,
