@@ -329,6 +329,12 @@ class StageModule(nn.Module):
                 f" {type(outputs).__name__}, which a stage cannot send to the next: torch's pipelining sends a"
                 " tensor, or a tuple of tensors. Return a tuple from the block (and take one in the next)."
             )
+        if self.last and torch.is_grad_enabled() and not _sendable(outputs):
+            raise TypeError(
+                f"The model's last block ({type(self.layers[-1]).__name__}) returned a {type(outputs).__name__},"
+                " which torch's pipelining cannot hand to `pipeline_loss`: it takes a tensor, or a tuple of"
+                " tensors, from a stage. Return a tuple from the block (and take one in `pipeline_loss`)."
+            )
         return _attached(outputs) if torch.is_grad_enabled() else outputs
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -709,7 +710,8 @@ class StageWorker(Worker):
         if not self.pipeline.is_last:
             return WorkerReport(), None
         with span(clock, "compute"):
-            report, output = self._replay("training_step", share, (batch_idx,), outputs.detach(), shares)
+            detached = apply_to_collection(outputs, Tensor, lambda t: t.detach())  # a tensor, or a tuple of them
+            report, output = self._replay("training_step", share, (batch_idx,), detached, shares)
         report.pipeline_loss = pipeline_loss  # checked once on the host (`check_same_loss`)
         return report, output
 
@@ -804,13 +806,16 @@ def check_same_loss(model: str, report: WorkerReport) -> None:
     assert not isinstance(step_loss, Tensor) and not isinstance(pipeline_loss, Tensor), "read on the host first"
     if step_loss is None or not (math.isfinite(step_loss) and math.isfinite(pipeline_loss)):
         return  # the strategy's non-finite policy decides what a NaN or Inf loss does
-    tolerance = 1e-4 if report.loss_dtype in (torch.float32, torch.float64) else 5e-2
-    if not math.isclose(step_loss, pipeline_loss, rel_tol=tolerance, abs_tol=1e-6):
+    # Only the order of the sums differs: to float64's rounding, float32's, or a half precision's.
+    tolerance, floor = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-4, 1e-6)}.get(report.loss_dtype, (5e-2, 1e-6))
+    if not math.isclose(step_loss, pipeline_loss, rel_tol=tolerance, abs_tol=floor):
         raise ValueError(
             f"`{model}.training_step` returned a loss of {step_loss:.6g} where `pipeline_loss` gives"
-            f" {pipeline_loss:.6g} on the same samples. The pipeline stages train on `pipeline_loss(output,"
-            " target)`, so `training_step` must return exactly that loss (no extra terms); put regularizers"
-            " into `pipeline_loss` or into the layers."
+            f" {pipeline_loss:.6g} on the same samples, over its micro-batches. The pipeline stages train on"
+            " `pipeline_loss(output, target)`, so `training_step` must return exactly that loss (no extra terms;"
+            " put regularizers into `pipeline_loss` or into the layers), and `pipeline_loss` must be a mean over"
+            " the samples (not a sum, nor a mean over the tokens an `ignore_index` leaves): the micro-batches'"
+            " losses are weighed by their samples."
         )
 
 

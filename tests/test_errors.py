@@ -220,6 +220,33 @@ class FunctionalSparse(NoContract):
         return self.net(x + rows.to(x.dtype)).sum()
 
 
+class SmallPenaltyInStep(Net):
+    """An extra term in `training_step` the stages would not train on, small beside the loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return self.pipeline_loss(out, y) + 2e-5 * out.abs().mean()
+
+
+class DictHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.linear(h)}
+
+
+class DictOutput(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[5] = DictHead()
+
+    def pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output["logits"], target)
+
+
 class ClosureOptimizer(torch.optim.SGD):
     """Evaluates the loss in its step, as sharpness-aware optimizers do."""
 
@@ -528,6 +555,17 @@ CASES = {
         lambda _: fit(FunctionalSparse(), hetero(cpu_fraction=0.5, timeout=60)),
         "A parameter of shape (10, 6) received a sparse gradient (`F.embedding(..., sparse=True)` or another op that"
         " makes one), which the hetero strategy does not sum between its workers",
+        in_run=True,
+    ),
+    "a-small-extra-term-in-the-step-of-a-pipeline": Bad(
+        lambda _: fit(SmallPenaltyInStep(), hetero(cpu_fraction=0.5, timeout=60)),
+        "`SmallPenaltyInStep.training_step` returned a loss of",
+        in_run=True,
+        rank="global rank 2 (stage1",
+    ),
+    "a-dict-from-the-last-block-of-a-pipeline": Bad(
+        lambda _: fit(DictOutput(), hetero(cpu_fraction=0.5, timeout=60)),
+        "The model's last block (DictHead) returned a dict, which torch's pipelining cannot hand to `pipeline_loss`",
         in_run=True,
     ),
     "two-optimizers": Bad(

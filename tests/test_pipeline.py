@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
 from lightning_hetero.pipeline import StageModule, partition_layers, resolve_schedule
-from tests.conftest import hetero
-from tests.models import DictNet, dict_data
+from tests.conftest import hetero, max_param_diff, trainer
+from tests.models import DictNet, Net, dict_data, regression_data
 from tests.test_replicas import assert_same_run
 
 
@@ -69,3 +71,31 @@ def test_a_pipeline_fed_through_its_pipeline_inputs_hook(tmp_path: Path, keyed: 
     tensor, or a dict the first block takes) and what the target is; it trains as one process."""
     strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=cpu_fraction, micro_batches=2)
     assert_same_run(tmp_path, strategy, lambda: DictNet(keyed), dict_data)
+
+
+class AuxHead(nn.Module):
+    """The model's last block returns its output and an auxiliary one, which `pipeline_loss` takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out, self.aux = nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.out(h), self.aux(h)
+
+
+class TupleOutput(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[5] = AuxHead()
+
+    def pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        out, aux = output
+        return nn.functional.mse_loss(out, target) + 0.1 * aux.pow(2).mean()
+
+
+def test_a_model_whose_last_block_returns_a_tuple() -> None:
+    plain, model = TupleOutput(), TupleOutput()
+    trainer(None, max_steps=4).fit(plain, regression_data())
+    trainer(hetero(cpu_fraction=0.5), max_steps=4).fit(model, regression_data())
+    assert max_param_diff(plain, model) < 1e-10
