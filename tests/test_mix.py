@@ -80,7 +80,7 @@ class SaveDecisions(L.Callback):
 
 def test_the_encoders_follow_a_mix_that_changes_mid_run(tmp_path: Path) -> None:
     """Images first, texts after batch 12: the image encoder goes to the idle CPU worker, then the
-    text encoder does, within two decisions of the change; the model is the one-process model."""
+    text encoder does (alone), within two decisions of the change; the model is the one-process model."""
     strategy = hetero(stages=["cpu"], cpu_fraction=0.0, emulated_speed=SPEEDS)
     mix = MixRebalancer(every_n_steps=3, warmup_steps=1, repeats=1)
     assert_same_run(tmp_path, strategy, Multimodal, phased_data, callbacks=[mix, SaveDecisions(tmp_path)], steps=24)
@@ -88,7 +88,8 @@ def test_the_encoders_follow_a_mix_that_changes_mid_run(tmp_path: Path) -> None:
     placed = [(d["step"], d["reason"], d["placement"]) for d in decisions]
     before = [p for s, r, p in placed if s <= 12 and r in ("try", "keep")]
     after = [(s, p) for s, r, p in placed if s > 12 and r == "keep"]
-    assert before and before[-1] == {"image": "cpu0"}, placed
+    # The image encoder goes first; the text encoder, rare then, may go too (next to nothing to weigh).
+    assert before and before[-1].get("image") == "cpu0", placed
     assert after and after[0][1] == {"text": "cpu0"} and after[0][0] <= 12 + 2 * 3 + 3, placed
 
 
