@@ -184,8 +184,7 @@ def average_running_stats(
     if not layers:
         return
     stats: Sequence[Tensor] = [t for m in layers for t in (m.running_mean, m.running_var)]
-    scale = torch.cat([torch.full((t.numel(),), float(weights[m]), dtype=torch.float64) for m in layers for t in (m.running_mean, m.running_var)])
-    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in stats]) * scale
+    flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) * float(weights[m]) for m in layers for t in (m.running_mean, m.running_var)])
     dist.all_reduce(flat, group=group)
     tracked = torch.stack([m.num_batches_tracked.detach().cpu() for m in layers])
     dist.all_reduce(tracked, op=dist.ReduceOp.MAX, group=group)
@@ -246,10 +245,10 @@ class ReplicaNorm:
         """Whole-batch mode: the group this step's statistics are summed over (``batch``: the whole
         batch, whose shares' modalities say who calls each encoder). An evaluation step normalizes
         with the running statistics, and needs none (unless a layer keeps none)."""
-        parts = [*shares.cpu, *(shares.device_part(i, self.devices) for i in range(self.devices))]
+        parts = shares.parts(self.devices)
         running = not training and all(m.track_running_stats for m in self.module.modules() if isinstance(m, _BatchNorm))
         if self.encoders and (training or (self.whole and not running)):
-            self._parts = [tuple(part) for part in parts]
+            self._parts = parts
             self._rows = [
                 self.rows_of(slice_batch(batch, start, stop, shares.batch_size)) if stop > start else {}  # type: ignore[misc]
                 for start, stop in parts

@@ -378,8 +378,7 @@ def _gives_extras(shares: Shares, placement: Placement, mine: tuple[int, int]) -
     """Whether this rank, whose share is ``mine``, sends the keys its step returned besides the loss:
     where a rank that runs the step methods (a CPU worker, a device replica, a pipeline's last stage)
     has no sample of the batch ``shares`` divide, the first one that has (the same on every rank)."""
-    devices = len(placement.stage_ranks) if len(placement.bounds) == 1 else 1
-    parts = [*shares.cpu, *(shares.device_part(i, devices) for i in range(devices))]
+    parts = shares.parts(len(placement.stage_ranks) if len(placement.bounds) == 1 else 1)
     computing = [part for part in parts if part[1] > part[0]]
     return len(computing) < len(parts) and tuple(mine) == tuple(computing[0])
 

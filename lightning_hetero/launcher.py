@@ -69,7 +69,7 @@ import lightning.pytorch as pl
 
 from lightning_hetero.data import check_before_launch
 from lightning_hetero.module import check_fine_clipping
-from lightning_hetero.multimodal import check_placeable, modality_encoders
+from lightning_hetero.multimodal import modality_encoders
 from lightning_hetero.batchnorm import has_batch_norm
 from lightning_hetero.signals import pass_on
 from lightning_hetero.topology import READY_DIR_ENV, RanksGone, first_to_leave, recorded_failures
@@ -782,7 +782,6 @@ class HeteroLauncher(_Launcher):
         # A model that builds its layers in `configure_model` is checked in each process, after it has.
         if model is not None and not is_overridden("configure_model", model):
             self._strategy.check_model(model, cut_later=_plans_the_cut(trainer, self._strategy))
-            check_placeable(model, self._strategy.plan.encoders, self._strategy.whole_batch_norm)
             if self._strategy.whole_batch_norm and self._strategy.num_nodes > 1:
                 _warn_of_encoder_norms_over_nodes(model)
         if trainer is not None and model is not None:

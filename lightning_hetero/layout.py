@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_hetero.loading import LoaderPolicy, set_workers
 from lightning_hetero.module import offers_blocks
-from lightning_hetero.multimodal import EncoderPacing, check_placeable, check_placement, offers_modalities
+from lightning_hetero.multimodal import EncoderPacing, check_placement, offers_modalities
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.shares import Shares, no_single_samples, split_batch
 from lightning_hetero.topology import ProcessGroups, Role, Topology, pin_to, threads_for, usable_cores
@@ -158,8 +158,7 @@ class RunLayout:
         layout cannot run that placement (for ``module``, where given)."""
         plan = replace(self._plan, encoders=check_placement(placement))
         if module is not None:
-            plan.place_blocks(module)  # checks the placement for the model
-            check_placeable(module, plan.encoders, self.whole_batch_norm)
+            plan.place_blocks(module, whole_batch_norm=self.whole_batch_norm)  # checks the placement for the model
         return plan
 
     def set_encoder_placement(self, placement: Mapping[str, str]) -> None:
@@ -211,7 +210,7 @@ class RunLayout:
                 " as replicas (whole copies of the model), where it has no effect. Give the model blocks"
                 " (`pipeline_layers()`) to train it as a pipeline, or leave it out."
             )
-        return self._plan.place_blocks(model, cut_later)[0]
+        return self._plan.place_blocks(model, cut_later, self.whole_batch_norm)[0]
 
     @property
     def topology(self) -> Topology:

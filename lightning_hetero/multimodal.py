@@ -68,8 +68,8 @@ __all__ = [
     "offers_modalities",
     "check_placement",
     "check_encoder_placement",
-    "check_placeable",
     "unplaceable_encoders",
+    "modality_rows",
     "encoder_stages",
     "EncoderExchange",
     "EncoderPacing",
@@ -140,10 +140,15 @@ def modality_encoders(model: nn.Module) -> dict[str, nn.Module]:
     return dict(encoders)
 
 
+def modality_rows(model: nn.Module, batch: Any) -> dict[str, int]:
+    """The samples of ``batch`` that carry each modality ``modality_inputs`` gives for it."""
+    return {m: batch_size_of(x) for m, x in model.modality_inputs(batch).items() if x is not None}  # type: ignore[operator]
+
+
 def carrying(model: nn.Module, batch: Any) -> dict[str, float]:
     """The fraction of ``batch``'s samples that carry each of the model's modalities (``modality_inputs``)."""
-    size, inputs = batch_size_of(batch), model.modality_inputs(batch)  # type: ignore[operator]
-    return {m: batch_size_of(inputs[m]) / size if inputs.get(m) is not None else 0.0 for m in modality_encoders(model)}
+    size, rows = batch_size_of(batch), modality_rows(model, batch)
+    return {m: rows.get(m, 0) / size for m in modality_encoders(model)}
 
 
 def check_placement(encoders: Optional[Mapping[str, str]]) -> dict[str, str]:
@@ -200,19 +205,17 @@ def unplaceable_encoders(model: nn.Module, whole_batch_norm: bool = False) -> di
     return reasons
 
 
-def check_placeable(model: nn.Module, placement: Mapping[str, str], whole_batch_norm: bool = False) -> None:
-    """Raise a clear error where ``placement`` places an encoder that must stay split (``unplaceable_encoders``)."""
-    unplaceable = unplaceable_encoders(model, whole_batch_norm) if placement else {}
-    for modality in placement:
-        if modality in unplaceable:
-            raise ValueError(unplaceable[modality])
-
-
 def check_encoder_placement(
-    model: nn.Module, placement: Mapping[str, str], cpu_workers: int, devices: int, replicas: bool
+    model: nn.Module,
+    placement: Mapping[str, str],
+    cpu_workers: int,
+    devices: int,
+    replicas: bool,
+    whole_batch_norm: bool = False,
 ) -> None:
     """Raise a clear error where ``placement`` cannot run for ``model`` on this layout (and where its
-    encoders break the contract, placed or not: every process checks that as it starts)."""
+    encoders break the contract, placed or not: every process checks that as it starts);
+    ``whole_batch_norm``: ``Trainer(sync_batchnorm=True)`` (``unplaceable_encoders``)."""
     if not placement:
         modality_encoders(model)
         return
@@ -240,7 +243,10 @@ def check_encoder_placement(
                 f" process(es) ({kind}0 to {kind}{count - 1})." if count else
                 f"`encoders[{modality!r}]={host!r}`: this layout has no {'CPU worker' if kind == 'cpu' else 'device'}."
             )
-    check_placeable(model, placement)
+    unplaceable = unplaceable_encoders(model, whole_batch_norm)
+    for modality in placement:
+        if modality in unplaceable:
+            raise ValueError(unplaceable[modality])
 
 
 def encoder_stages(

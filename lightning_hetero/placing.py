@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import partial
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,13 +21,13 @@ from lightning_hetero.batchnorm import ReplicaNorm, has_batch_norm
 from lightning_hetero.engine import StepEngine
 from lightning_hetero.finite import NonfinitePolicy
 from lightning_hetero.module import tied_parameters
-from lightning_hetero.multimodal import EncoderExchange, encoder_stages, modality_encoders, offers_modalities
+from lightning_hetero.multimodal import EncoderExchange, encoder_stages, modality_encoders, modality_rows, offers_modalities
 from lightning_hetero.pipeline import resolve_schedule
 from lightning_hetero.plan import HeteroPlan
 from lightning_hetero.record import Recorder
 from lightning_hetero.results import ReportExchange, relog
 from lightning_hetero.sharding import Sharding
-from lightning_hetero.shares import Shares, batch_size_of
+from lightning_hetero.shares import Shares
 from lightning_hetero.sync import GlobalNorm, GradSync
 from lightning_hetero.topology import ProcessGroups, Topology, tied_groups
 from lightning_hetero.workers import ROLES, Placement, Tied
@@ -178,12 +178,8 @@ def replica_norm(module: LightningModule, topology: Topology, whole: bool, timeo
     if cpus * topology.num_nodes > 1:
         keys.append(((True,) * cpus, (False,) * devices))
     groups = {key: of_shares(key) for key in keys} if whole else {}
-    encoders = modality_encoders(module)
-
-    def rows_of(share: Any) -> dict[str, int]:
-        return {m: batch_size_of(x) for m, x in module.modality_inputs(share).items() if x is not None}  # type: ignore[operator]
-
-    return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes, of_shares, encoders, rows_of)
+    rows_of = partial(modality_rows, module)
+    return ReplicaNorm(module, whole, groups, devices, everyone, topology.num_nodes, of_shares, modality_encoders(module), rows_of)
 
 
 def encoder_exchange(

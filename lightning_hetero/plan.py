@@ -192,15 +192,17 @@ class HeteroPlan:
 
         return processes(self) == processes(other)
 
-    def place_blocks(self, model: nn.Module, cut_later: bool = False) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+    def place_blocks(
+        self, model: nn.Module, cut_later: bool = False, whole_batch_norm: bool = False
+    ) -> tuple[list[nn.Module], list[tuple[int, int]]]:
         """The model's blocks and each stage's ``[start, stop)`` of them, the contract checked. In a
         pipeline, ``pipeline_layers()`` cut where the plan cuts them, or balanced by parameter count;
         replicas hold all of the model's parameter blocks (``check_replica_contract``) in one piece.
         Raises a clear error where the blocks cannot fill the stages or the offloaded buckets do not exist.
         ``cut_later``: the cut is yet to be planned (``WorkloadAnalyzer``), and what depends on it only
-        is checked then."""
+        is checked then; ``whole_batch_norm``: ``Trainer(sync_batchnorm=True)``, for the encoders' places."""
         replicas = self.for_model(model).parallelism == "replicas"
-        check_encoder_placement(model, self.encoders, self.cpu_workers, len(self.stages), replicas)
+        check_encoder_placement(model, self.encoders, self.cpu_workers, len(self.stages), replicas, whole_batch_norm)
         if replicas:
             layers = check_replica_contract(model)
             bounds = [(0, len(layers))]

@@ -50,6 +50,11 @@ class Shares:
         first = start + index * base + min(index, extra)
         return first, first + base + (1 if index < extra else 0)
 
+    def parts(self, devices: int) -> list[tuple[int, int]]:
+        """Every worker's samples: each CPU worker's, then each of ``devices`` device processes'
+        (``device_part``; one, the pipeline's share, for a pipeline)."""
+        return [*self.cpu, *(self.device_part(i, devices) for i in range(devices))]
+
 
 def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_batches: int) -> Shares:
     """Divide ``batch_size`` samples between ``cpu_workers`` CPU workers and the pipeline (see module doc)."""
