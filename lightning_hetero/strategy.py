@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from enum import Enum
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -327,6 +328,10 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
                 agreed, self._groups.control, self._rank_name_of, "`HeteroStrategy` arguments",
                 "Start every node and process with the same command and configuration.",
             )
+            check_every_rank_agrees(
+                _trainer_settings(self.lightning_module.trainer), self._groups.control, self._rank_name_of,
+                "Trainer settings", "Start every node and process with the same command and configuration.",
+            )
         if self.root_device.type == "cpu":
             self._cuda_rng_back = leave_cuda_rng_alone()
         self._set_threads()
@@ -633,10 +638,24 @@ def _without_prediction_writers(trainer: "pl.Trainer") -> Callable[[], None]:
 
 
 _AGREED = (
-    "parallelism", "mode", "stages", "boundaries", "schedule", "stages_per_process", "cpu_workers", "offload",
-    "bucket_size_mb", "shard_cpu_optimizer", "shard_across_nodes", "encoders",
+    "parallelism", "mode", "stages", "boundaries", "schedule", "stages_per_process", "micro_batches", "cpu_workers",
+    "cpu_fraction", "offload", "bucket_size_mb", "shard_cpu_optimizer", "shard_across_nodes", "encoders",
 )  # fmt: skip
 """The plan's settings every process of a run must have alike (each node's cores and threads its own)."""
+
+_TRAINER_AGREED = (
+    "max_epochs", "min_epochs", "max_steps", "min_steps", "accumulate_grad_batches", "precision", "gradient_clip_val",
+    "gradient_clip_algorithm", "limit_train_batches", "limit_val_batches", "limit_test_batches",
+    "limit_predict_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps",
+    "reload_dataloaders_every_n_epochs",
+)  # fmt: skip
+
+
+def _trainer_settings(trainer: "pl.Trainer") -> dict[str, Any]:
+    """The trainer call and the loop settings that decide how many batches, steps and collectives each
+    process runs: alike on every process, or they part ways (at the end of an epoch, at a clip)."""
+    settings = {"the trainer call": trainer.state.fn, **{f"`{name}`": getattr(trainer, name) for name in _TRAINER_AGREED}}
+    return {name: value.value if isinstance(value, Enum) else value for name, value in settings.items()}
 
 
 def _nothing() -> None:

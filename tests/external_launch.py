@@ -101,7 +101,11 @@ def main() -> None:
     parser.add_argument("--shard-across-nodes", action="store_true")
     parser.add_argument("--lr-find", action="store_true", help="run Tuner(trainer).lr_find before fit")
     parser.add_argument("--signal", help="NAME:STEP[:RANK], e.g. SIGUSR1:5 (every rank) or SIGTERM:3:0")
-    parser.add_argument("--differ", help="RANK:WHAT: this local rank builds a fine-mode strategy (mode) or a wider model (width)")
+    parser.add_argument(
+        "--differ",
+        help="RANK:WHAT: this local rank builds a fine-mode strategy (mode), a wider model (width),"
+        " a Trainer with more steps (steps) or another fixed CPU share (fraction)",
+    )
     args = parser.parse_args()
     if args.fail_before_fit is not None and int(os.environ.get("LOCAL_RANK", 0)) == args.fail_before_fit:
         raise FileNotFoundError("this rank's data is missing")
@@ -117,7 +121,8 @@ def main() -> None:
     if args.model in ("replicas", "batchnorm"):
         layout["parallelism"] = "replicas"
     start_method = "popen" if args.popen else "fork"
-    strategy = "hetero" if args.string else hetero(cpu_fraction=0.5, start_method=start_method, **layout)
+    fraction = 0.25 if differ[1:] == ["fraction"] else 0.5
+    strategy = "hetero" if args.string else hetero(cpu_fraction=fraction, start_method=start_method, **layout)
     callbacks: list = [WritePid(args.out_dir), OptimizerMemory(args.out_dir)]
     if args.fault:
         rank, step, how = args.fault.split(":")
@@ -133,7 +138,7 @@ def main() -> None:
         callbacks.append(WorkloadAnalyzer(warmup_steps=2, measure_steps=1, repeats=1, contention_s=0.05))
     t = trainer(
         strategy,
-        max_steps=8 if args.num_nodes == 1 else 6,
+        max_steps=(8 if args.num_nodes == 1 else 6) + (2 if differ[1:] == ["steps"] else 0),
         num_nodes=args.num_nodes,
         sync_batchnorm=args.model == "batchnorm",
         callbacks=callbacks,

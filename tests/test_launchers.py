@@ -401,8 +401,10 @@ def test_a_rank_that_fails_before_joining_ends_the_run_at_once(tmp_path: Path) -
     [
         ("2:mode", "started with different `HeteroStrategy` arguments: global rank 2 \\(stage1 .*\\) has mode 'fine', global rank 0 'coarse'"),
         ("1:width", "started with different models: global rank 1 \\(stage0 .*\\) has layers.0.weight \\(\\(17, 6\\), 'torch.float32'\\)"),
+        ("1:fraction", "started with different `HeteroStrategy` arguments: global rank 1 \\(stage0 .*\\) has cpu_fraction 0.25, global rank 0 0.5"),
+        ("2:steps", "started with different Trainer settings: global rank 2 \\(stage1 .*\\) has `max_steps` 10, global rank 0 8"),
     ],
-    ids=["strategy-arguments", "model"],
+    ids=["strategy-arguments", "model", "cpu-fraction", "trainer-settings"],
 )
 def test_processes_started_differently_are_told_so_at_once(tmp_path: Path, differ: str, message: str) -> None:
     """popen, torchrun, SLURM and several nodes: every process builds its own strategy and model, from
