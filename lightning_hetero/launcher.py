@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
@@ -62,6 +62,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateS
 from lightning.pytorch.trainer.connectors.signal_connector import _SIGNUM
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException, _TunerExitException
+from torch import Tensor
 from torch.multiprocessing.spawn import ProcessContext, ProcessException, ProcessExitedException
 from typing_extensions import override
 
@@ -297,19 +298,25 @@ class _Processes(_MultiProcessingLauncher):
         module = trainer.lightning_module
         module.configure_model()  # layers built there exist only in the workers so far (the hook is idempotent)
         trainer.strategy.precision_plugin.convert_module(module)
-        with _weights_not_taken_named(module):
+        with _loading_as_trained(module):
             super()._recover_results_in_main_process(worker_output, trainer)
 
 
 @contextmanager
-def _weights_not_taken_named(module: LightningModule) -> Iterator[None]:
+def _loading_as_trained(module: LightningModule) -> Iterator[None]:
     """Lightning loads the trained weights into this process's model leniently (its layers may differ
-    from the ranks'), through the run's checkpoint IO: say which the model here has no place for,
-    which would be lost without a word."""
+    from the ranks'), through the run's checkpoint IO. Each tensor takes the dtype it trained in (a
+    layer the model keeps in float32 under `bf16-true`, cast after the precision's conversion, would be
+    rounded into this process's converted copy), and the weights the model here has no place for are
+    named, which would be lost without a word."""
     load = module.load_state_dict
 
-    def told(*args: Any, **kwargs: Any) -> Any:
-        result = load(*args, **kwargs)
+    def told(state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            trained = state_dict.get(name)
+            if isinstance(trained, Tensor) and tensor.is_floating_point() and trained.dtype != tensor.dtype:
+                tensor.data = tensor.data.to(trained.dtype)  # in place: the same parameter, ties kept
+        result = load(state_dict, *args, **kwargs)
         lost = getattr(result, "unexpected_keys", ())  # a `load_state_dict` of the model's own may return nothing
         if lost:
             warnings.warn(

@@ -104,3 +104,43 @@ def test_the_backward_runs_outside_autocast_as_lightnings_does(tmp_path: Any, pa
         trainer(strategy, max_steps=3, precision="bf16-mixed", callbacks=[ArmFromTheSecondStep()]).fit(model, regression_data())
         seen = "".join(p.read_text() for p in out.glob("*.txt"))
         assert seen and "on" not in seen.replace("off", ""), (name, seen)
+
+
+class KeepsANormInFloat32(L.LightningModule):
+    """A model that keeps a layer (and a buffer) in float32 under `bf16-true`, cast once the precision
+    has converted it, as a plain run leaves them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.register_buffer("scale", torch.ones(6))
+
+    def on_train_start(self) -> None:
+        self.norm.float()
+        self.scale = self.scale.float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.norm(self.inner(x).float()) * self.scale
+        return torch.nn.functional.mse_loss(hidden[:, :3], y.float())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_layer_kept_in_float32_comes_back_to_the_main_process_in_float32() -> None:
+    """fork and spawn hand the trained weights back to the calling process's model: each in the dtype
+    it trained in, as a plain run leaves it, not rounded into the precision's converted copy."""
+    from tests.conftest import hetero, max_param_diff, trainer
+    from tests.models import regression_data
+
+    models = {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5, parallelism="replicas", stages=["cpu"]))):
+        models[name] = KeepsANormInFloat32()
+        trainer(strategy, max_steps=3, precision="bf16-true").fit(models[name], regression_data())
+    plain, hetero_ = (dict(m.state_dict()) for m in models.values())
+    assert {k: v.dtype for k, v in hetero_.items()} == {k: v.dtype for k, v in plain.items()}
+    assert plain["norm.weight"].dtype == torch.float32 and plain["inner.weight"].dtype == torch.bfloat16
+    assert max_param_diff(models["plain"], models["hetero"]) < 4e-3  # bf16's rounding of the shares' gradients
