@@ -125,6 +125,7 @@ class StepEngine:
         self.skipped_steps = 0
         self.report_device_stats = False
         self._buffers_checked = False
+        self._last_share: Optional[tuple[int, int]] = None  # the last training batch's size, and this rank's samples of it
         self.latest_device_stats: dict[str, dict[str, float]] = {}
         self.signals: Optional[StepSignals] = None
         """The trainer's signal handling, where several processes run (``signals.py``)."""
@@ -220,9 +221,12 @@ class StepEngine:
             fresh = [g for g in worker.fresh_grads or () if g is not None]
             finite = report.to_host(*([finite_flag(fresh)] if fresh else []))
             check_same_loss(type(worker.module).__name__, report)
-        except BaseException:
+        except BaseException as error:
             self.sync.abort()
+            self._note_moved_share(error, shares)
             raise
+        start, stop = worker.share_range(shares)
+        self._last_share = (shares.batch_size, stop - start)
         if buffers is not None:
             self._buffers_checked = True
             _warn_of_changed_buffers(worker.module, buffers)
@@ -252,6 +256,20 @@ class StepEngine:
             # No share of this batch: the outputs of the first worker that had one.
             extras = next((move_data_to_device(r.extras, self._device) for r in reports if r.extras), {})
         return {"loss": loss, **extras} if extras else loss
+
+    def _note_moved_share(self, error: BaseException, shares: Shares) -> None:
+        """Where a step failed on a batch of the last one's size but another share of it for this rank
+        (the CPU's share moved), say what that breaks: state a model keeps per sample between batches."""
+        start, stop = self.worker.share_range(shares)
+        if not isinstance(error, Exception) or self._last_share is None or self._last_share[0] != shares.batch_size:
+            return
+        if self._last_share[1] != stop - start:
+            error.add_note(
+                f"[hetero] This rank's share of the batch changed at this step, from {self._last_share[1]} to"
+                f" {stop - start} of {shares.batch_size} samples (the CPU workers' share moved). If the model keeps"
+                " state per sample from one batch to the next (a recurrent hidden state carried over), give it a"
+                " fixed `cpu_fraction` (docs/limits.md)."
+            )
 
     def backward(self, optimizer: Optional[Optimizer] = None) -> None:
         """Step 2 (Lightning has zeroed ``.grad`` where the window starts): put the share's gradients

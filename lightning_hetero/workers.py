@@ -703,9 +703,10 @@ class StageWorker(Worker):
 
         try:
             outputs, pipeline_loss = self._train(compute, grads)
-        except BaseException:
+        except BaseException as error:
             if encoders is not None:
                 encoders.abort()
+            self._note_inputs(error, inputs)
             raise
         if not self.pipeline.is_last:
             return WorkerReport(), None
@@ -728,6 +729,22 @@ class StageWorker(Worker):
     def runs_step_methods(self) -> bool:
         return self.pipeline.is_last
 
+    def _note_inputs(self, error: BaseException, inputs: Any) -> None:
+        """Where the first stage failed on inputs of another floating dtype than the model's weights,
+        say that the stages take the batch as the loader gives it: a cast in the step never reaches them."""
+        if 0 not in self.pipeline.stage_indices or not isinstance(error, Exception):
+            return
+        given: set[torch.dtype] = set()
+        apply_to_collection(inputs, Tensor, lambda t: given.add(t.dtype) if t.is_floating_point() else None)
+        weights = {p.dtype for p in self.module.parameters() if p.is_floating_point() and not p.is_meta}
+        if given and weights and not given <= weights:
+            error.add_note(
+                f"[hetero] The pipeline's first stage took `pipeline_inputs(batch)` as {sorted(map(str, given))}, and"
+                f" the model's weights are {sorted(map(str, weights))}: the stages compute the blocks on the batch as"
+                " the loader gives it, outside `training_step`, so a cast (or any change) the step makes to the"
+                " batch does not reach them. Make it in `pipeline_inputs(batch)`, or give the data in the model's dtype."
+            )
+
     @override
     def note(self) -> str:
         note = " The layers of the other stages exist only on the meta device on this rank."
@@ -745,7 +762,12 @@ class StageWorker(Worker):
         if start == stop:
             return WorkerReport(), None
         share = slice_batch(batch, start, stop)
-        outputs = self.pipeline.eval_step(pipeline_inputs_only(self.module, share), shares.micro_batches)
+        inputs = pipeline_inputs_only(self.module, share)
+        try:
+            outputs = self.pipeline.eval_step(inputs, shares.micro_batches)
+        except Exception as error:
+            self._note_inputs(error, inputs)
+            raise
         if not self.pipeline.is_last:
             return WorkerReport(), None
         return self._replay(method, share, rest, outputs, shares)

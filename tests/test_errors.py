@@ -111,6 +111,14 @@ class AutocastInStep(Net):
         return self.pipeline_loss(out.float(), y)
 
 
+class CastsInStep(Net):
+    """A step that casts the batch (float64, as NumPy gives it) to the model's dtype itself."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = (t.to(self.dtype) for t in batch)
+        return self.pipeline_loss(self(x), y)
+
+
 class AutocastOff(Net):
     """A step whose autocast is switched off (an option the model offers, off here)."""
 
@@ -551,6 +559,13 @@ CASES = {
         in_run=True,
         rank="global rank 2 (stage1",
     ),
+    "a-cast-in-the-step-of-a-pipeline": Bad(
+        lambda _: fit(CastsInStep(), hetero(cpu_fraction=0.5, timeout=60), loader(X.double(), Y.double()), precision="32-true"),
+        "The pipeline's first stage took `pipeline_inputs(batch)` as ['torch.float64'], and the model's weights are"
+        " ['torch.float32']: the stages compute the blocks on the batch as the loader gives it, outside `training_step`",
+        in_run=True,
+        rank="global rank 1 (stage0",
+    ),
     "sparse-gradients-of-a-functional-op": Bad(
         lambda _: fit(FunctionalSparse(), hetero(cpu_fraction=0.5, timeout=60)),
         "A parameter of shape (10, 6) received a sparse gradient (`F.embedding(..., sparse=True)` or another op that"
@@ -778,3 +793,33 @@ def test_a_port_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
     assert "is in use, by another run or by the processes of one that did not end" in text
     assert "joined within the timeout" not in text
+
+
+class CarriesState(NoContract):
+    """A state per sample carried from one batch to the next, as a recurrent model's hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.carried: Optional[torch.Tensor] = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        hidden = self.net(batch[0] if self.carried is None else batch[0] + self.carried.sum(1, keepdim=True))
+        self.carried = hidden.detach()
+        return hidden.sum()
+
+
+class MovesTheShare(L.Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:  # every rank alike, as the rebalancer sets it
+            trainer.strategy.set_cpu_fraction(0.25)
+
+
+def test_a_step_that_fails_as_the_share_moves_says_it_moved(tmp_path: Path) -> None:
+    """State carried per sample between batches breaks where the CPU's share moves (docs/limits.md);
+    the model's own error says nothing of shares, so the strategy adds it."""
+    with pytest.raises(Exception) as error:
+        trainer(hetero(cpu_fraction=0.5, parallelism="replicas", stages=["cpu"], timeout=60), max_steps=4,
+                callbacks=[MovesTheShare()], default_root_dir=str(tmp_path)).fit(CarriesState(), loader(X, Y))
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert re.search(r"This rank.s share of the batch changed at this step, from 2 to [13] of 4 samples", text), text[-3000:]
+    assert "give it a fixed `cpu_fraction`" in text and worker_processes() == []
