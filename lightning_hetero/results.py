@@ -602,6 +602,12 @@ def merge_outputs(parts: list[tuple[int, Any]], path: str = "the output") -> Any
         " is not the batch's): under the hetero strategy each worker predicts its share of every batch, and the"
         " shares' outputs are joined sample by sample. Return per-sample values (tensors or lists whose first"
         " dimension is the batch's) and reduce them after `trainer.predict`."
+        + (
+            " A model's key/value cache is no per-sample value: call the model with `use_cache=False`, or return"
+            " what you need of its output (its `logits`)."
+            if type(first).__name__.endswith("Cache")
+            else ""
+        )
     )
 
 
@@ -617,7 +623,8 @@ def _same(a: Any, b: Any) -> bool:
 def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    return f"the {type(value).__name__} {repr(value)[:40]}"
+    shown = repr(value)
+    return f"the {type(value).__name__} {shown}" if len(shown) <= 40 else f"a {type(value).__name__}"
 
 
 def sync_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:

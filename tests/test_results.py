@@ -257,17 +257,29 @@ def test_predictions_of_the_shares_join_into_the_batchs() -> None:
     assert out["batch_idx"] == 0 and torch.equal(out["out"], whole)
 
 
+class DynamicCache:
+    """A model's key/value cache, as a causal language model's output carries one (a long repr)."""
+
+    def __init__(self, rows: int) -> None:
+        self.layers = [torch.zeros(rows, 64) for _ in range(4)]
+
+    def __repr__(self) -> str:
+        return f"DynamicCache(layers={self.layers})"
+
+
 @pytest.mark.parametrize(
     "shares,shown",
     [
         ([(2, torch.tensor(1.0)), (2, torch.tensor(2.0))], "the output as a tensor of shape ()"),  # a share's mean
         ([(2, torch.randn(3)), (2, torch.randn(3))], "the output as a tensor of shape (3,)"),  # a sum over samples
         ([(2, {"n": 2}), (1, {"n": 1})], "the output['n'] as the int 2"),
+        ([(2, {"past": DynamicCache(2)}), (1, {"past": DynamicCache(1)})], "the output['past'] as a DynamicCache"),
     ],
 )
 def test_a_prediction_that_is_not_per_sample_and_differs_between_shares_is_an_error(shares: list, shown: str) -> None:
-    with pytest.raises(ValueError, match=rf"`predict_step` returned {re.escape(shown)}, not one row per sample"):
+    with pytest.raises(ValueError, match=rf"`predict_step` returned {re.escape(shown)}, not one row per sample") as error:
         merge_outputs(shares)
+    assert ("call the model with `use_cache=False`" in str(error.value)) == ("Cache" in shown)
 
 
 def test_a_metrics_batch_value_is_computed_on_one_copy_of_it_for_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
