@@ -33,7 +33,7 @@ __all__ = ["StageCheckpoints"]
 class StageCheckpoints:
     """Mixin for the hetero strategy: Lightning's checkpoint hooks. The strategy provides
     ``_engine`` (its step engine once set up), ``whole_model_on_rank_zero``, ``bucket_steps``,
-    ``control_group``, ``refresh_replicas`` and ``every_rank`` (``collectives.py``)."""
+    ``control_group``, ``local_mesh``, ``refresh_replicas`` and ``every_rank`` (``collectives.py``)."""
 
     _engine: Optional[StepEngine]
     _checkpoint_io: Optional[CheckpointIO]
@@ -54,6 +54,11 @@ class StageCheckpoints:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with self.every_rank("Writing a checkpoint"):
+            mesh = self.local_mesh
+            if mesh is not None:
+                # Every rank answers first: one that is still training (a save under `if trainer.is_global_zero:`)
+                # waits for the step's reports there, and both sides are told at once that they are out of step.
+                mesh.all_gather_object(None)
             self.refresh_replicas()  # every rank calls this when a checkpoint is written
             if self.whole_model_on_rank_zero:
                 return super().lightning_module_state_dict()  # type: ignore[misc]

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 
-from lightning_hetero.mesh import LocalMesh
+from lightning_hetero.mesh import NOT_ANSWERED, LocalMesh
 from lightning_hetero.topology import gather_object_to
 
 __all__ = ["ControlCollectives", "IN_STEP_METHOD", "not_in_a_step_method"]
@@ -80,6 +80,8 @@ class ControlCollectives:
                     " the script's trainer calls and `trainer.save_checkpoint`, as with DDP: call them on every"
                     " rank, not under `if trainer.is_global_zero:`."
                 )
+            elif "timed out" in str(error).lower():  # gloo: "Timed out waiting 3000ms for recv operation to complete"
+                error.add_note(f"[hetero] {what} needs every rank, and not every rank came to it within the timeout: {NOT_ANSWERED}")
             raise
 
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LocalMesh", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM", "sum_over"]
+__all__ = ["LocalMesh", "NOT_ANSWERED", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM", "sum_over"]
 
 REPORTS, POSTS, OBJECTS, SUMS = 1, 2, 3, 4
 """The kinds of frames: the steps' reports both ways, those sent one way, any other objects, and
@@ -65,6 +65,13 @@ sending the parts through the sockets (two rounds of the parts)."""
 
 _TOKEN = 16
 """Bytes at the end of a shared segment that name it, so that a member knows it mapped its peer's."""
+
+
+NOT_ANSWERED = (
+    "a process that hangs, one far behind the others, or one that waits in a call the others did not make"
+    " (`trainer.save_checkpoint` under `if trainer.is_global_zero:`, where every rank must call it, as with DDP)."
+)
+"""What keeps a rank from answering the others within the timeout, for their errors."""
 
 
 class LocalMesh:
@@ -483,8 +490,7 @@ class LocalMesh:
     def _timed_out(self, waiting: Iterable[int]) -> TimeoutError:
         return TimeoutError(
             f"[hetero] Waited {self._timeout:g} s (the strategy's `timeout`) for a message to travel to or from global"
-            f" rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither answered nor ended: a process"
-            " that hangs, or one far behind the others."
+            f" rank(s) {', '.join(str(self._global[p]) for p in waiting)}, which neither answered nor ended: {NOT_ANSWERED}"
         )
 
     def _out_of_step(self, peer: int, sent: str, due: str) -> RuntimeError:
@@ -492,7 +498,8 @@ class LocalMesh:
             f"[hetero] Global rank {self._global[peer]} sent {sent} where {due} was due: the ranks' steps are out of"
             " step. Where code of yours decides on some ranks only what every rank must do (`trainer.should_stop ="
             " True` in a callback on one rank: decide it from every rank's view, with"
-            " `trainer.strategy.reduce_boolean_decision(...)` as EarlyStopping does), that is the cause; otherwise it"
+            " `trainer.strategy.reduce_boolean_decision(...)` as EarlyStopping does; `trainer.save_checkpoint` under"
+            " `if trainer.is_global_zero:`, where every rank must call it, as with DDP), that is the cause; otherwise it"
             " is a bug: please report it, with the run's layout."
         )
 

@@ -43,7 +43,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_hetero.collectives import IN_STEP_METHOD, not_in_a_step_method
-from lightning_hetero.mesh import POSTS, REPORTS, LocalMesh
+from lightning_hetero.mesh import NOT_ANSWERED, POSTS, REPORTS, LocalMesh
 
 __all__ = [
     "LoggedValue",
@@ -381,7 +381,12 @@ class _Gather:
         if self._world == 1:  # a group of one has nobody to tell
             return [obj]
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        gathered = self._gather(data, self.capacity)
+        try:
+            gathered = self._gather(data, self.capacity)
+        except RuntimeError as error:  # gloo: "Timed out waiting 3000ms for recv operation to complete"
+            if "timed out" in str(error).lower():
+                error.add_note(f"[hetero] The step's reports did not travel between the ranks within the timeout: {NOT_ANSWERED}")
+            raise
         lengths = gathered[:, :_HEADER].contiguous().view(torch.int64).flatten().tolist()
         if max(lengths) > self.capacity:
             self.capacity = max(lengths)

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 import pytest
+import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.multiprocessing.spawn import ProcessException
@@ -109,6 +110,50 @@ def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path: Path) -> None:
     assert elapsed < 3 + GRACE_S + PROMPT_S
     assert re.search(r"Timed out waiting 3000ms", text)
     assert f"and killed: global rank 2 (stage1 of {LAYOUT})" in text
+
+
+class SavesOnRankZeroOnly(L.Callback):
+    """A DDP mistake: `trainer.save_checkpoint` (a collective) under `if trainer.is_global_zero:`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("cpu_fraction", [0.5, 0.0])
+def test_a_checkpoint_saved_on_rank_zero_alone_is_named_at_once(tmp_path: Path, cpu_fraction: float) -> None:
+    """The other ranks would train on while rank 0 waits for them in the save's collectives: every
+    rank answers a roll call first, and both sides are told at once what every rank must call."""
+    saves = SavesOnRankZeroOnly(tmp_path / "a.ckpt")
+    start = time.monotonic()
+    with pytest.raises(ProcessException) as error:
+        trainer(hetero(cpu_fraction=cpu_fraction, timeout=TIMEOUT_S), max_steps=8, callbacks=[saves]).fit(
+            Net().double(), regression_data()
+        )
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert "out of step" in text and "`trainer.save_checkpoint` under `if trainer.is_global_zero:`" in text, text[-3000:]
+    assert time.monotonic() - start < PROMPT_S and worker_processes() == []
+    assert not saves.path.exists()
+
+
+def test_a_checkpoint_saved_on_rank_zero_alone_is_named_when_it_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the ranks share no local mesh (as on several hosts), the save's collective times out: its
+    error says what every rank must call."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr("lightning_hetero.mesh._host", lambda: f"host{dist.get_rank() % 2}")
+    with pytest.raises(ProcessException) as error:
+        trainer(hetero(cpu_fraction=0.5, timeout=3), max_steps=8, callbacks=[SavesOnRankZeroOnly(tmp_path / "a.ckpt")]).fit(
+            Net().double(), regression_data()
+        )
+    text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    # Whichever waited first: rank 0 in the save's barrier, or the others for its report of the next step.
+    waited = ("did not travel between the ranks within the timeout", "needs every rank, and not every rank came to it")
+    assert any(w in text for w in waited) and "`trainer.save_checkpoint` under `if trainer.is_global_zero:`" in text, text[-3000:]
+    assert worker_processes() == []
 
 
 def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_intact(
