@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import atexit
 import gc
+import inspect
 import logging
 import os
 import pickle
@@ -451,6 +452,22 @@ def _warn_of_encoder_norms_over_nodes(model: LightningModule) -> None:
         )
 
 
+def _check_checkpoint_path(function: Callable, args: tuple, kwargs: dict) -> None:
+    """A trainer call's ``ckpt_path`` that names a local file that is not there: refused here, as a plain
+    Trainer refuses it (``FileNotFoundError``), not by every process once they have started."""
+    try:
+        path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+    except (TypeError, ValueError):
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    text = os.fspath(path)
+    if text in ("last", "best", "hpc") or text.startswith("registry") or "://" in text:
+        return  # Lightning finds these itself, or another filesystem holds them
+    if not os.path.exists(text):
+        raise FileNotFoundError(f"Checkpoint file not found: {text}")
+
+
 def _check_main_guard(start_method: str) -> None:
     """A spawned process imports the main script again, all of its top level: a Trainer started there,
     outside ``if __name__ == "__main__":``, would start again in every process, which Python refuses
@@ -800,6 +817,7 @@ class HeteroLauncher(_Launcher):
                 check_fine_clipping(model)
             check_before_launch(trainer, model, args, pairs=pipeline)
             self._check_tuner(trainer, callbacks)
+        _check_checkpoint_path(function, args, kwargs)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)

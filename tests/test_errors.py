@@ -525,6 +525,14 @@ CASES = {
         lambda _: fit(OwnCallbacks(BatchSizeFinder(max_trials=2)), strategy=hetero(cpu_fraction=0.5, parallelism="replicas")),
         "The `BatchSizeFinder` callback is not supported by the hetero strategy",
     ),
+    "a-checkpoint-path-that-is-not-there": Bad(
+        lambda tmp: trainer(hetero(cpu_fraction=0.5), max_steps=1).fit(Net(), regression_data(), ckpt_path=tmp / "no.ckpt"),
+        "Checkpoint file not found: ",
+    ),
+    "a-checkpoint-path-to-validate-that-is-not-there": Bad(
+        lambda tmp: trainer(hetero(cpu_fraction=0.5)).validate(Net(), regression_data(), ckpt_path=str(tmp / "no.ckpt")),
+        "Checkpoint file not found: ",
+    ),
     "several-nodes-without-a-launch": Bad(
         lambda _: fit(num_nodes=2), "`num_nodes=2` needs this script started on every node: under torchrun or srun"
     ),
