@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.multiprocessing as mp
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.strategies.launchers.multiprocessing import (
     _check_bad_cuda_fork,
     _check_missing_main_guard,
@@ -452,9 +453,12 @@ def _warn_of_encoder_norms_over_nodes(model: LightningModule) -> None:
         )
 
 
-def _check_checkpoint_path(function: Callable, args: tuple, kwargs: dict) -> None:
+def _check_checkpoint_path(function: Callable, args: tuple, kwargs: dict, io: Any) -> None:
     """A trainer call's ``ckpt_path`` that names a local file that is not there: refused here, as a plain
-    Trainer refuses it (``FileNotFoundError``), not by every process once they have started."""
+    Trainer refuses it (``FileNotFoundError``), not by every process once they have started. Only where
+    the run's checkpoint IO reads the path as a file (a CheckpointIO of one's own may read it otherwise)."""
+    if not isinstance(io, TorchCheckpointIO) or type(io).load_checkpoint is not TorchCheckpointIO.load_checkpoint:
+        return
     try:
         path = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
     except (TypeError, ValueError):
@@ -817,7 +821,7 @@ class HeteroLauncher(_Launcher):
                 check_fine_clipping(model)
             check_before_launch(trainer, model, args, pairs=pipeline)
             self._check_tuner(trainer, callbacks)
-        _check_checkpoint_path(function, args, kwargs)
+        _check_checkpoint_path(function, args, kwargs, self._strategy.checkpoint_io)
         log.debug("hetero: starting %d process(es) per node with %r", self._strategy.num_processes, self.start_method)
         try:
             results = self._launcher.launch(function, *args, trainer=trainer, **kwargs)
