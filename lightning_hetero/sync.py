@@ -675,6 +675,7 @@ class _Overlap:
         self._stepper = _DaemonThread("hetero-steps", init)
         self._hooks: dict[nn.Parameter, Any] = {}
         self._armed = False
+        self._stepped = False
         self.handed_early = 0
         """Buckets started while the last backward was still running (the rest went after it)."""
         self.stepped_early = 0
@@ -704,7 +705,8 @@ class _Overlap:
         optimizer state and the backward runs under another default dtype than the optimizer
         steps under in one process (``64-true``: torch's optimizers would make their step counts in
         float64, and NAdam computes in them). A sharded bucket's step is a collective: it keeps its
-        place, and makes its state under the step's dtype (a limit: fine-mode.md)."""
+        place: one that lacks state after the first step (its parameters unfrozen since) makes it under
+        the backward's dtype (a limit: fine-mode.md)."""
         if self._dtype is None or torch.get_default_dtype() == self._dtype:
             return set()
         return {k for k, step in enumerate(self._steps) if not isinstance(step, ShardedStep) and step.lacks_state()}
@@ -726,7 +728,12 @@ class _Overlap:
                 if p.requires_grad and p not in self._hooks:
                     self._hooks[p] = p.register_post_accumulate_grad_hook(partial(self._arrived, k))
         self._arrivals, self._clip_value, self._clip_norm = arrivals, clip_value, clip_norm
-        self._deferred = self.defers_steps(clip_norm)
+        # The first optimizer step makes the optimizer's state; where the backward runs under another default
+        # dtype than one process steps under (`64-true`), every bucket of it steps after the backward, sharded
+        # ones too (their steps are collectives: on every rank alike, each one's first step).
+        first = not self._stepped and self._dtype is not None and torch.get_default_dtype() != self._dtype
+        self._stepped = True
+        self._deferred = self.defers_steps(clip_norm) or first
         self._late = set() if self._deferred else self._makes_state_late()
         self._detached = detached
         self._counts: dict[nn.Parameter, int] = {}
@@ -763,13 +770,14 @@ class _Overlap:
         self.grads_finite = bool(torch.stack(self._finite).all()) if self._finite else True
         if self._deferred:
             start = time.perf_counter()
-            held = [[h for h in step.grad_holders() if h.grad is not None] for step in self._steps]
-            holders = [h for step_holders in held for h in step_holders]
-            counted = [h.grad for step_holders, c in zip(held, self._counted) if c for h in step_holders]
-            total = self._norm(counted, finite and self.grads_finite)
-            self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
-            if self._clip_norm is not None and not self.skipped:
-                clip_to_norm(holders, self._clip_norm, total)
+            if self.defers_steps(self._clip_norm):  # a collective that the ranks kept out of the step join too
+                held = [[h for h in step.grad_holders() if h.grad is not None] for step in self._steps]
+                holders = [h for step_holders in held for h in step_holders]
+                counted = [h.grad for step_holders, c in zip(held, self._counted) if c for h in step_holders]
+                total = self._norm(counted, finite and self.grads_finite)
+                self.skipped = self._skip_nonfinite and not bool(torch.isfinite(total))
+                if self._clip_norm is not None and not self.skipped:
+                    clip_to_norm(holders, self._clip_norm, total)
             with _default_dtype(self._dtype):
                 for k, step in enumerate(self._steps):
                     if self.skipped:

@@ -79,16 +79,35 @@ def test_trainer_features_match(tmp_path: Path, trainer_kwargs: dict, optimizer:
     assert max_param_diff(reference, model) < TOL
 
 
-@pytest.mark.parametrize("parallelism, clip", [("pipeline", None), ("replicas", None), ("pipeline", 0.05)])
-def test_optimizer_state_made_under_the_dtype_one_process_steps_under(parallelism: str, clip: float | None) -> None:
+@pytest.mark.parametrize(
+    "parallelism, clip, cpu_workers",
+    [("pipeline", None, 1), ("replicas", None, 1), ("pipeline", 0.05, 1), ("pipeline", None, 2), ("replicas", None, 2)],
+    ids=["pipeline", "replicas", "pipeline-clipped", "pipeline-sharded", "replicas-sharded"],
+)
+def test_optimizer_state_made_under_the_dtype_one_process_steps_under(
+    tmp_path: Path, parallelism: str, clip: float | None, cpu_workers: int
+) -> None:
     """Under `64-true` the backward (where fine mode steps) runs with float64 as torch's default
     dtype, and one process's optimizer steps without it: the first step of each bucket comes after
     the backward, so NAdam's step count and `mu_product` are float32 as there (in float64 its
-    weights drifted 4e-10 from one process's in 8 steps)."""
+    weights drifted 4e-10 from one process's in 8 steps). Two CPU workers split the offloaded
+    buckets' state (a sharded step is a collective): the whole first step comes after the backward."""
     clipping = {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"} if clip else {}
     reference = fit(None, "nadam", **clipping)
-    model = fit(fine(cpu_fraction=0.5, offload=[0], parallelism=parallelism), "nadam", **clipping)
+    strategy = fine(cpu_fraction=0.5, offload="all" if cpu_workers > 1 else [0], parallelism=parallelism, cpu_workers=cpu_workers)
+    checkpoint = tmp_path / "last.ckpt"
+    model = fit(strategy, "nadam", callbacks=[SaveAtEnd(checkpoint)], **clipping)
     assert max_param_diff(reference, model) < TOL
+    states = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    assert {(k, v.dtype) for s in states.values() for k, v in s.items() if v.dim() == 0} == {("step", torch.float32), ("mu_product", torch.float32)}
+
+
+class SaveAtEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 @pytest.mark.parametrize("mode", ["coarse", "fine"])
