@@ -33,7 +33,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import BasePredictionWriter, DeviceStatsMonitor
+from lightning.pytorch.callbacks import BasePredictionWriter, DeviceStatsMonitor, ThroughputMonitor
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
@@ -365,6 +365,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
         move_materialized(module, self.root_device)
         _update_properties(module, device=self.root_device)
         sync_metrics_over(module, self._groups.control)
+        _count_throughput_once(trainer)
         self._copies_checked = False
         if trainer.state.fn == TrainerFn.PREDICTING and self.local_rank != 0:
             self._unguard = _without_prediction_writers(trainer)
@@ -660,6 +661,16 @@ def _trainer_settings(trainer: "pl.Trainer") -> dict[str, Any]:
 
 def _nothing() -> None:
     pass
+
+
+def _count_throughput_once(trainer: "pl.Trainer") -> None:
+    """``ThroughputMonitor`` counts every rank's batches as data-parallel ranks' (its global rates are a
+    rank's times the world size), where every rank of this run goes through the same whole batches:
+    each rank's rate is the run's, as one process's is (made in the callback's ``setup``, before this)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, ThroughputMonitor):
+            for throughput in getattr(callback, "_throughputs", {}).values():
+                throughput.world_size = 1
 
 
 _LAYOUT_DEFAULTS = {n: p.default for n, p in inspect.signature(HeteroStrategy.__init__).parameters.items() if n in LAYOUT_ARGUMENTS}

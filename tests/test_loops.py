@@ -603,3 +603,20 @@ def test_a_rank_without_a_share_of_a_batch_gets_the_keys_its_step_returned(
         else:
             assert len(seen) == 4 and all(rows is not None and rows > 0 for rows in seen), (path.name, seen)
             assert seen[-1] == 1
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(parallelism="replicas", stages=["cpu"])], ids=["pipeline", "replicas"])
+def test_the_throughput_monitor_counts_the_runs_batches_once(tmp_path: Path, layout: dict) -> None:
+    """Every rank goes through the whole batches, so the run's rate is each rank's, as one process's
+    is: no rate multiplied by the processes, and the same keys as a plain run logs."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    keys, samples = {}, {}
+    for name, strategy in (("plain", None), ("hetero", hetero(cpu_fraction=0.5, **layout))):
+        monitor = ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]), window_size=2)
+        trainer(strategy, tmp_path / name, max_steps=6, callbacks=[monitor]).fit(Net(), regression_data())
+        rows = read_metrics(tmp_path / name)
+        keys[name] = {k for row in rows for k in row if k.startswith("train")}
+        samples[name] = column(rows, "train/samples")
+    assert keys["hetero"] == keys["plain"] and "train/device/samples_per_sec" in keys["plain"]
+    assert samples["hetero"] == samples["plain"]
