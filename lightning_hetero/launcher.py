@@ -319,14 +319,18 @@ def _loading_as_trained(module: LightningModule) -> Iterator[None]:
             if isinstance(trained, Tensor) and tensor.is_floating_point() and trained.dtype != tensor.dtype:
                 tensor.data = tensor.data.to(trained.dtype)  # in place: the same parameter, ties kept
         result = load(state_dict, *args, **kwargs)
-        lost = getattr(result, "unexpected_keys", ())  # a `load_state_dict` of the model's own may return nothing
-        if lost:
+        # A `load_state_dict` of the model's own may return nothing.
+        lost, kept = getattr(result, "unexpected_keys", ()), getattr(result, "missing_keys", ())
+        if lost or kept:
+            said = [f"has no {_some(lost)}, which the strategy's processes trained"] if lost else []
+            said += [f"got no trained value for {_some(kept)}, which keep the values they had before the call"] if kept else []
             warnings.warn(
-                f"`{type(module).__name__}` in this process has no {lost[:5]}{' ...' if len(lost) > 5 else ''}, which"
-                " the strategy's processes trained: layers built in `setup` (or another hook that runs only there)"
-                " exist only in them, and their weights are not handed back. Build layers in `__init__` or"
-                " `configure_model`, which this process runs too, or use `start_method='popen'`, where this process is"
-                " rank 0."
+                f"`{type(module).__name__}` in this process {', and '.join(said)}: the model's weights are named"
+                " otherwise here than in the processes. Layers built in `setup` (or another hook that runs only there)"
+                " exist only in them, and a callback that reparametrizes layers there renames their weights"
+                " (`ModelPruning(make_pruning_permanent=False)`: `weight_orig`, `weight_mask`). Build layers in"
+                " `__init__` or `configure_model`, which this process runs too, or use `start_method='popen'`, where"
+                " this process is rank 0."
             )
         return result
 
@@ -451,6 +455,10 @@ def _warn_of_encoder_norms_over_nodes(model: LightningModule) -> None:
             " does not call it, so the others would wait for it until the timeout. Give every share every"
             " modality (or one node: there the statistics follow the modality's rows), or keep `sync_batchnorm` off."
         )
+
+
+def _some(names: Sequence[str]) -> str:
+    return f"{list(names[:5])}{' ...' if len(names) > 5 else ''}"
 
 
 def _check_checkpoint_path(function: Callable, args: tuple, kwargs: dict, io: Any) -> None:

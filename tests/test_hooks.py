@@ -229,6 +229,19 @@ def test_layers_built_in_setup_are_named_where_their_weights_cannot_be_handed_ba
     assert not hasattr(model, "extra")
 
 
+def test_weights_reparametrized_in_the_processes_are_named_where_they_cannot_be_handed_back() -> None:
+    """`ModelPruning` that keeps its reparametrization renames each pruned weight in the processes
+    (`weight_orig`, `weight_mask`): this process's `weight` gets nothing back, and that is said too."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    model = Net()
+    pruning = ModelPruning("l1_unstructured", amount=0.2, make_pruning_permanent=False, verbose=0)
+    expected = r"`Net` in this process has no \['layers.0.weight_orig', .*got no trained value for \['layers.0.weight',"
+    with pytest.warns(UserWarning, match=expected):
+        trainer(hetero(cpu_fraction=0.5, parallelism="replicas", stages=["cpu"]), max_steps=2, precision="32-true",
+                callbacks=[pruning]).fit(model, regression_data())
+
+
 class LazyMadeInConfigureModel(Net):
     """A lazy layer given its shape by a batch run through the model in `configure_model`."""
 
