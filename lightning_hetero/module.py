@@ -259,6 +259,13 @@ def check_model_contract(model: nn.Module, pipeline: bool = True) -> list[nn.Mod
             " `pipeline_loss` micro-batch by micro-batch (torch's schedule). Train it as replicas"
             " (`parallelism='replicas'`), where every worker calls your `backward`, or leave `backward` to Lightning."
         )
+    if pipeline and isinstance(model, LightningModule) and not is_overridden("forward", model):
+        raise TypeError(
+            f"`{name}` has no `forward`: a pipeline's last stage runs your step methods with `self(inputs)` answered"
+            " by the pipeline's output, so they must compute the model's output with one `self(inputs)` call. Define"
+            " `forward` (the blocks in order; `lightning_hetero.PipelineModule` gives one), or train the model as it"
+            " is, as replicas (`parallelism='replicas'`)."
+        )
     layers = model.pipeline_layers()
     if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)):
         raise TypeError(f"`{name}.pipeline_layers()` must return a list of modules, got {type(layers).__name__}.")

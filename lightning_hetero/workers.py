@@ -787,6 +787,15 @@ class StageWorker(Worker):
             with torch.no_grad():
                 share = move_data_to_device(share, self.pipeline.device)
                 report, output = self._run_step(method, share, rest, shares.pipeline_size, shares.batch_size)
+        except Exception as error:
+            if not calls and "meta" in str(error):
+                error.add_note(
+                    f"[hetero] `{type(self.module).__name__}.{method}` ran on the pipeline's last stage, where"
+                    " `self(inputs)` gives the pipeline's output, and computed with layers this stage does not hold"
+                    " (on the meta device here) without calling `self(...)`: the step methods must compute the"
+                    " model's output with one `self(inputs)` call, not call its layers themselves."
+                )
+            raise
         finally:
             del self.module.forward
         if len(calls) != 1:

@@ -119,6 +119,33 @@ class CastsInStep(Net):
         return self.pipeline_loss(self(x), y)
 
 
+class NoForward(L.LightningModule):
+    """Blocks and a loss, but no `forward`: its step calls the layers itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class CallsItsLayers(NoForward):
+    """A `forward`, which the step does not call: it calls the layers itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 class AutocastOff(Net):
     """A step whose autocast is switched off (an option the model offers, off here)."""
 
@@ -573,6 +600,17 @@ CASES = {
         " ['torch.float32']: the stages compute the blocks on the batch as the loader gives it, outside `training_step`",
         in_run=True,
         rank="global rank 1 (stage0",
+    ),
+    "a-pipeline-model-without-forward": Bad(
+        lambda _: fit(NoForward()),
+        "`NoForward` has no `forward`: a pipeline's last stage runs your step methods with `self(inputs)` answered",
+    ),
+    "a-step-that-calls-the-layers-itself": Bad(
+        lambda _: fit(CallsItsLayers(), hetero(cpu_fraction=0.5, timeout=60)),
+        "`CallsItsLayers.training_step` ran on the pipeline's last stage, where `self(inputs)` gives the pipeline's"
+        " output, and computed with layers this stage does not hold",
+        in_run=True,
+        rank="global rank 2 (stage1",
     ),
     "sparse-gradients-of-a-functional-op": Bad(
         lambda _: fit(FunctionalSparse(), hetero(cpu_fraction=0.5, timeout=60)),
