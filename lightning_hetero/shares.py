@@ -4,7 +4,8 @@ The rule, applied identically on every rank from the batch size and the current 
 
 - the pipeline's share is ``(1 - cpu_fraction) * batch_size`` rounded to a multiple of the
   micro-batch count, so that every micro-batch has the same size (``PipelineStage`` sizes its
-  receive buffers from the first micro-batch), and the CPU workers take the rest;
+  receive buffers from the first micro-batch), and the CPU workers take the rest; a share of fewer
+  samples than the micro-batch count is cut into micro-batches of one sample;
 - where the pipeline must take the whole batch (fraction 0, or no CPU worker) and the batch does
   not divide into ``micro_batches``, that step uses the largest micro-batch count that divides it;
 - the CPU share is spread evenly over the CPU workers; CPU workers come first in the batch.
@@ -65,8 +66,10 @@ def split_batch(batch_size: int, cpu_fraction: float, cpu_workers: int, micro_ba
     elif cpu_fraction >= 1.0:
         pipeline = 0
     else:
-        groups = int((1.0 - cpu_fraction) * batch_size / micro_batches + 0.5)
-        pipeline = min(groups, batch_size // micro_batches) * micro_batches
+        target = (1.0 - cpu_fraction) * batch_size
+        # A share of fewer samples than `micro_batches` is cut into fewer micro-batches, not left to the CPU.
+        micro = max(1, min(micro_batches, int(target + 0.5)))
+        pipeline = min(int(target / micro + 0.5), batch_size // micro) * micro
     return _shares(batch_size, batch_size - pipeline, cpu_workers, micro_batches)
 
 

@@ -79,6 +79,14 @@ def test_everything_at_once(tmp_path: Path) -> None:
     assert_same_run(tmp_path, strategy, {"optimizer": "sgd"}, **kwargs)
 
 
+@pytest.mark.parametrize("mode", ["coarse", "fine"])
+def test_more_micro_batches_than_the_pipelines_share_has_samples(tmp_path: Path, mode: str) -> None:
+    """The pipeline's shares of 9 and 6 samples (batches of 12, the last of 8) are cut into micro-batches
+    of one sample, fewer than the 16 asked for, not left to the CPU worker (`test_shares.py`)."""
+    strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.25, micro_batches=16, mode=mode)
+    assert_same_run(tmp_path, strategy, {"optimizer": "adamw"})
+
+
 def test_stages_without_parameters_with_clipping(tmp_path: Path) -> None:
     # Six stages of one block each: the Tanh and Identity stages hold no parameters at all.
     strategy = hetero(stages=["cpu"] * 6, schedule="GPipe", cpu_fraction=0.25)

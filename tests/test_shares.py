@@ -40,6 +40,9 @@ def test_pipeline_share_is_rounded_to_whole_micro_batches() -> None:
     assert shares.pipeline == (28, 100) and shares.micro_batches == 4  # 70 rounds to 72
     assert split_batch(100, 0.31, 1, 4).pipeline_size == 68
     assert split_batch(10, 0.5, 1, 4).pipeline_size == 4
+    # Fewer samples than micro-batches: micro-batches of one sample, not a share left to the CPU.
+    few = split_batch(16, 0.25, 1, 32)
+    assert few.pipeline_size == 12 and few.micro_batches == 12
 
 
 def test_extreme_fractions() -> None:
