@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch.optim import Optimizer
 
 from lightning_hetero.files import AtomicCheckpointIO
@@ -55,9 +56,10 @@ class StageCheckpoints:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with self.every_rank("Writing a checkpoint"):
             mesh = self.local_mesh
-            if mesh is not None:
+            if mesh is not None and self.lightning_module.trainer.state.status == TrainerStatus.RUNNING:
                 # Every rank answers first: one that is still training (a save under `if trainer.is_global_zero:`)
                 # waits for the step's reports there, and both sides are told at once that they are out of step.
+                # Not after a failure (`on_exception`), where a rank holding the whole model writes it alone.
                 mesh.all_gather_object(None)
             self.refresh_replicas()  # every rank calls this when a checkpoint is written
             if self.whole_model_on_rank_zero:

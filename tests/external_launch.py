@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--fine", action="store_true", help="fine mode, the last layers' bucket offloaded")
     parser.add_argument("--fault", help="RANK:STEP:HOW, e.g. 2:6:kill")
+    parser.add_argument("--on-exception", action="store_true", help="an OnExceptionCheckpoint writes OUT_DIR/on_exception.ckpt")
     parser.add_argument("--resume", type=Path, help="checkpoint directory; fit with ckpt_path='last'")
     parser.add_argument("--analyzer", action="store_true", help="validate first, then fit with a WorkloadAnalyzer")
     parser.add_argument("--exit-after-fit", type=int, help="this global rank exits (code 3) right after fit")
@@ -131,6 +132,7 @@ def main() -> None:
         name, step, *rank = args.signal.split(":")
         ranks = [int(r) for r in rank] or None
         callbacks.append(SelfSignal(getattr(signal, name), int(step), args.out_dir, ranks))
+    if args.signal or args.on_exception:
         callbacks.append(OnExceptionCheckpoint(args.out_dir))
     if args.resume:
         callbacks.append(ModelCheckpoint(dirpath=args.resume, filename="{step}", every_n_train_steps=4, save_last=True))
@@ -142,7 +144,7 @@ def main() -> None:
         num_nodes=args.num_nodes,
         sync_batchnorm=args.model == "batchnorm",
         callbacks=callbacks,
-        enable_checkpointing=bool(args.resume or args.signal),
+        enable_checkpointing=bool(args.resume or args.signal or args.on_exception),
     )
     if args.analyzer:
         t.validate(model, regression_data(n=20, seed=3), verbose=False)

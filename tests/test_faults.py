@@ -182,10 +182,10 @@ def test_a_rank_killed_while_saving_leaves_the_last_checkpoint_intact(
     assert_resumes_exactly(tmp_path, reference, at_step=4)
 
 
-def popen_with_fault(out: Path, fault: str) -> subprocess.CompletedProcess:
+def popen_with_fault(out: Path, fault: str, *more: str) -> subprocess.CompletedProcess:
     """The external script under popen with ``--fault`` (``RANK:STEP:HOW``); it must fail."""
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "--popen", "--fault", fault],
+        [sys.executable, str(SCRIPT), str(out), "--popen", "--fault", fault, *more],
         env=clean_env(),
         capture_output=True,
         text=True,
@@ -210,6 +210,16 @@ def test_a_popen_run_names_the_rank_that_raised_first(tmp_path: Path) -> None:
     which rank failed first and with what (the ranks that failed after it only lost their peer)."""
     run = popen_with_fault(tmp_path, "2:6:raise")
     assert f"[hetero] The first failure: global rank 2 (stage1 of {LAYOUT}) raised RuntimeError: injected fault" in run.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_on_exception_rank_zero_writes_the_whole_model_it_holds(tmp_path: Path, rank: int) -> None:
+    """popen: after an error the other ranks are stopped; global rank 0, a CPU worker holding the whole
+    model and its optimizer state, still writes `OnExceptionCheckpoint`'s checkpoint on its own."""
+    run = popen_with_fault(tmp_path, f"{rank}:3:raise", "--on-exception")
+    assert "injected fault" in run.stderr
+    written = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert written["global_step"] == 3 and written["optimizer_states"][0]["state"]
 
 
 class _Layout:
