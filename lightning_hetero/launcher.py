@@ -52,6 +52,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import (
     _disable_module_memory_sharing,
 )
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _set_num_threads_if_needed
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch import LightningModule
@@ -476,7 +477,7 @@ def _check_checkpoint_path(function: Callable, args: tuple, kwargs: dict, io: An
     text = os.fspath(path)
     if text in ("last", "best", "hpc") or text.startswith("registry") or "://" in text:
         return  # Lightning finds these itself, or another filesystem holds them
-    if not os.path.exists(text):
+    if not get_filesystem(text).exists(text):  # as Lightning's checkpoint IO looks for it (`~` expanded)
         raise FileNotFoundError(f"Checkpoint file not found: {text}")
 
 

@@ -869,3 +869,25 @@ def test_a_step_that_fails_as_the_share_moves_says_it_moved(tmp_path: Path) -> N
     text = "\n".join([str(error.value), *getattr(error.value, "__notes__", [])])
     assert re.search(r"This rank.s share of the batch changed at this step, from 2 to [13] of 4 samples", text), text[-3000:]
     assert "give it a fixed `cpu_fraction`" in text and worker_processes() == []
+
+
+def test_a_checkpoint_path_is_looked_for_as_lightning_looks_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~` is the user's home, as Lightning's checkpoint IO reads it; a CheckpointIO of one's own may
+    read a path as it likes, and is left to."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from lightning_hetero.launcher import _check_checkpoint_path
+
+    def fit_impl(model: Any = None, ckpt_path: Any = None) -> None: ...
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.ckpt").write_bytes(b"")
+    _check_checkpoint_path(fit_impl, (None, "~/x.ckpt"), {}, TorchCheckpointIO())
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found: ~/y.ckpt"):
+        _check_checkpoint_path(fit_impl, (None,), {"ckpt_path": "~/y.ckpt"}, TorchCheckpointIO())
+
+    class Elsewhere(TorchCheckpointIO):
+        def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+            return super().load_checkpoint(f"{path}.elsewhere", *args, **kwargs)
+
+    _check_checkpoint_path(fit_impl, (None, "~/y.ckpt"), {}, Elsewhere())
