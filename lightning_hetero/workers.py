@@ -732,7 +732,9 @@ class StageWorker(Worker):
     def _note_inputs(self, error: BaseException, inputs: Any) -> None:
         """Where the first stage failed on inputs of another floating dtype than the model's weights,
         say that the stages take the batch as the loader gives it: a cast in the step never reaches them."""
-        if 0 not in self.pipeline.stage_indices or not isinstance(error, Exception):
+        if 0 not in self.pipeline.stage_indices or not isinstance(error, RuntimeError):
+            return
+        if not re.search(r"dtype|scalar type|[Ii]nput type", str(error)):  # torch's words for mismatched dtypes
             return
         given: set[torch.dtype] = set()
         apply_to_collection(inputs, Tensor, lambda t: given.add(t.dtype) if t.is_floating_point() else None)
@@ -788,7 +790,7 @@ class StageWorker(Worker):
                 share = move_data_to_device(share, self.pipeline.device)
                 report, output = self._run_step(method, share, rest, shares.pipeline_size, shares.batch_size)
         except Exception as error:
-            if not calls and "meta" in str(error):
+            if not calls and isinstance(error, (RuntimeError, NotImplementedError)) and re.search(r"\bmeta\b", str(error)):
                 error.add_note(
                     f"[hetero] `{type(self.module).__name__}.{method}` ran on the pipeline's last stage, where"
                     " `self(inputs)` gives the pipeline's output, and computed with layers this stage does not hold"
