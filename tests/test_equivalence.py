@@ -8,6 +8,8 @@ epoch smaller (8), so uneven batches are always covered.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +86,21 @@ def test_more_micro_batches_than_the_pipelines_share_has_samples(tmp_path: Path,
     """The pipeline's shares of 9 and 6 samples (batches of 12, the last of 8) are cut into micro-batches
     of one sample, fewer than the 16 asked for, not left to the CPU worker (`test_shares.py`)."""
     strategy = hetero(stages=["cpu", "cpu"], cpu_fraction=0.25, micro_batches=16, mode=mode)
-    assert_same_run(tmp_path, strategy, {"optimizer": "adamw"})
+    assert_same_run(tmp_path, strategy, {"optimizer": "adamw"}, callbacks=[PipelineShares(tmp_path)])
+    assert json.loads((tmp_path / "shares.json").read_text()) == [[6, 6], [9, 9]]
+
+
+class PipelineShares(L.Callback):
+    """Global rank 0 writes the pipeline's share and micro-batch count of every training batch."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.seen = out, set()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.strategy.global_rank == 0 and hasattr(trainer.strategy, "shares"):
+            shares = trainer.strategy.shares(len(batch[0]))
+            self.seen.add((shares.pipeline_size, shares.micro_batches))
+            (self.out / "shares.json").write_text(json.dumps(sorted(self.seen)))
 
 
 def test_stages_without_parameters_with_clipping(tmp_path: Path) -> None:
