@@ -371,6 +371,7 @@ class HeteroStrategy(RunLayout, StageCheckpoints, ControlCollectives, ParallelSt
             self._unguard = _without_prediction_writers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._unguard = guard_monitored_values(trainer.callbacks, self.gather, self._rank_name_of)
+            _validate_on_rank_zeros_clock(trainer)
             try:
                 self.setup_optimizers(trainer)
             except RuntimeError as error:
@@ -661,6 +662,22 @@ def _trainer_settings(trainer: "pl.Trainer") -> dict[str, Any]:
 
 def _nothing() -> None:
     pass
+
+
+def _validate_on_rank_zeros_clock(trainer: "pl.Trainer") -> None:
+    """``val_check_interval`` given as a time: Lightning asks each rank's own clock whether to validate
+    after a batch, and ranks whose clocks part (a logger that takes longer on rank 0) would validate at
+    different batches. Rank 0's decision is every rank's, as ``Timer`` decides ``max_time``."""
+    loop = trainer.fit_loop.epoch_loop
+    own = partial(type(loop)._should_check_val_fx, loop)
+
+    def agreed(data_fetcher: Any) -> bool:
+        should = own(data_fetcher)
+        if getattr(trainer, "_val_check_time_interval", None) is None:
+            return should
+        return bool(trainer.strategy.broadcast(should))
+
+    loop._should_check_val_fx = agreed  # type: ignore[method-assign]
 
 
 def _count_throughput_once(trainer: "pl.Trainer") -> None:

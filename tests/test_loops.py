@@ -620,3 +620,37 @@ def test_the_throughput_monitor_counts_the_runs_batches_once(tmp_path: Path, lay
         samples[name] = column(rows, "train/samples")
     assert keys["hetero"] == keys["plain"] and "train/device/samples_per_sec" in keys["plain"]
     assert samples["hetero"] == samples["plain"]
+
+
+class ClockAhead(L.Callback):
+    """The training loop's clock on global rank 0 runs an hour ahead: it would validate after every
+    batch, the other ranks when their own time is up (not in this run)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.validated: list[int] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import time
+
+        from lightning.pytorch.loops import training_epoch_loop
+
+        if trainer.global_rank == 0:
+            training_epoch_loop.time = type("Ahead", (), {"monotonic": staticmethod(lambda: time.monotonic() + 3600)})
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validated.append(trainer.global_step)
+        (self.out / f"validated{trainer.global_rank}.json").write_text(json.dumps(self.validated))
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(parallelism="replicas", stages=["cpu"])], ids=["pipeline", "replicas"])
+def test_validation_by_time_follows_rank_zeros_clock(tmp_path: Path, layout: dict) -> None:
+    """`val_check_interval` as a time is decided on each rank's clock in Lightning's loop; here the
+    ranks' clocks disagree, and every rank validates where global rank 0 does."""
+    strategy = hetero(cpu_fraction=0.5, timeout=30, **layout)
+    trainer(strategy, max_steps=6, val_check_interval={"hours": 1}, callbacks=[ClockAhead(tmp_path)]).fit(
+        Net(), regression_data(), regression_data(n=12)
+    )
+    validated = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("validated*.json"))]
+    assert len(validated) == len(layout.get("stages", "xx")) + 1 and validated[0] == [1, 2, 3, 4, 5, 6]
+    assert all(v == validated[0] for v in validated), validated
