@@ -790,6 +790,14 @@ class StageWorker(Worker):
                 share = move_data_to_device(share, self.pipeline.device)
                 report, output = self._run_step(method, share, rest, shares.pipeline_size, shares.batch_size)
         except Exception as error:
+            if calls and isinstance(error, RuntimeError) and "does not require grad" in str(error):
+                error.add_note(
+                    f"[hetero] `{type(self.module).__name__}.{method}` ran on the pipeline's last stage, where"
+                    " `self(inputs)` gives the pipeline's output, computed on the stages: it carries no graph back"
+                    " to the inputs or the layers, so a gradient taken inside the step method (`torch.autograd.grad`"
+                    " for a saliency map or a gradient penalty) has nothing to follow. Train such a model as replicas"
+                    " (`parallelism='replicas'`), where every worker runs the step as written."
+                )
             if not calls and isinstance(error, (RuntimeError, NotImplementedError)) and re.search(r"\bmeta\b", str(error)):
                 error.add_note(
                     f"[hetero] `{type(self.module).__name__}.{method}` ran on the pipeline's last stage, where"

@@ -146,6 +146,17 @@ class CallsItsLayers(NoForward):
         return self.net(x)
 
 
+class InputGradientInStep(Net):
+    """A gradient penalty on the inputs, taken inside the step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x.requires_grad_(True)
+        out = self(x)
+        (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return self.pipeline_loss(out, y) + slope.pow(2).mean()
+
+
 class AutocastOff(Net):
     """A step whose autocast is switched off (an option the model offers, off here)."""
 
@@ -609,6 +620,13 @@ CASES = {
         lambda _: fit(CallsItsLayers(), hetero(cpu_fraction=0.5, timeout=60)),
         "`CallsItsLayers.training_step` ran on the pipeline's last stage, where `self(inputs)` gives the pipeline's"
         " output, and computed with layers this stage does not hold",
+        in_run=True,
+        rank="global rank 2 (stage1",
+    ),
+    "a-gradient-taken-inside-the-step-of-a-pipeline": Bad(
+        lambda _: fit(InputGradientInStep(), hetero(cpu_fraction=0.5, timeout=60)),
+        "`InputGradientInStep.training_step` ran on the pipeline's last stage, where `self(inputs)` gives the"
+        " pipeline's output, computed on the stages: it carries no graph back to the inputs or the layers",
         in_run=True,
         rank="global rank 2 (stage1",
     ),
