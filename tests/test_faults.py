@@ -216,7 +216,11 @@ def test_a_popen_run_names_the_rank_that_raised_first(tmp_path: Path) -> None:
 def test_on_exception_rank_zero_writes_the_whole_model_it_holds(tmp_path: Path, rank: int) -> None:
     """popen: after an error the other ranks are stopped; global rank 0, a CPU worker holding the whole
     model and its optimizer state, still writes `OnExceptionCheckpoint`'s checkpoint on its own."""
+    start = time.monotonic()
     run = popen_with_fault(tmp_path, f"{rank}:3:raise", "--on-exception")
+    assert time.monotonic() - start < 60, "a rank waited out the timeout in its own `on_exception` save"
+    if rank:
+        assert f"[hetero] The first failure: global rank {rank} (stage1 of {LAYOUT}) raised RuntimeError: injected fault" in run.stderr
     assert "injected fault" in run.stderr
     written = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
     assert written["global_step"] == 3 and written["optimizer_states"][0]["state"]
