@@ -10,7 +10,6 @@ The file is written whole or not at all (``files.AtomicCheckpointIO``).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -26,7 +25,6 @@ from lightning_hetero.files import AtomicCheckpointIO
 from lightning_hetero.sharding import gather_sharded_state
 from lightning_hetero.state import gather_module_state, gather_optimizer_state
 from lightning_hetero.state import load_with_offloaded_state, with_offloaded_state
-from lightning_hetero.topology import READY_DIR_ENV
 
 if TYPE_CHECKING:
     from lightning_hetero.engine import StepEngine
@@ -38,7 +36,7 @@ class StageCheckpoints:
     """Mixin for the hetero strategy: Lightning's checkpoint hooks. The strategy provides
     ``_engine`` (its step engine once set up), ``whole_model_on_rank_zero``, ``bucket_steps``,
     ``control_group``, ``local_mesh``, ``refresh_replicas`` and ``every_rank`` (``collectives.py``),
-    ``rank_name`` and ``on_exception``."""
+    ``stopped_after_a_failure``, ``describe_rank``, ``rank_name`` and ``on_exception``."""
 
     _engine: Optional[StepEngine]
     _checkpoint_io: Optional[CheckpointIO]
@@ -58,17 +56,17 @@ class StageCheckpoints:
         self._checkpoint_io = io
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        trainer = self.lightning_module.trainer
-        if self._failed_in_popen(trainer):
+        if self.stopped_after_a_failure() and self.global_rank != 0:
             # Global rank 0 stops the other ranks after a failure, so this rank's save would wait for it
-            # until the timeout: it ends now, its failure recorded for rank 0 to name.
+            # until the timeout: it ends now, its failure recorded for rank 0 to name (where Lightning has
+            # not yet: a save in an `on_exception` callback comes before the strategy's hook).
             failure = sys.exc_info()[1]
-            if failure is not None:
+            if failure is not None and self.describe_rank() not in getattr(failure, "__notes__", []):
                 self.on_exception(failure)
             raise RuntimeError(
-                f"[hetero] {self.rank_name(self.local_rank)} failed, and an `on_exception` callback writes a"
-                " checkpoint (`OnExceptionCheckpoint`): under popen global rank 0 writes it alone, where it holds the"
-                " whole model (docs/reliability.md), and stops the other ranks; this one ends here."
+                f"[hetero] {self.rank_name(self.local_rank)} failed, and a checkpoint is written after it: under"
+                " popen global rank 0 writes it alone, where it holds the whole model (docs/reliability.md), and"
+                " stops the other ranks; this one ends here."
             )
         with self.every_rank("Writing a checkpoint"):
             mesh = self.local_mesh
@@ -81,13 +79,6 @@ class StageCheckpoints:
             if self.whole_model_on_rank_zero:
                 return super().lightning_module_state_dict()  # type: ignore[misc]
             return gather_module_state(self.lightning_module, self.control_group)
-
-    def _failed_in_popen(self, trainer: Any) -> bool:
-        """Whether this is a rank other than global rank 0 of a popen launch, in its ``on_exception``
-        hooks after an error of its own (not the orderly stop after a SIGTERM, which every rank makes)."""
-        if trainer.state.status != TrainerStatus.INTERRUPTED or self.global_rank == 0 or not os.environ.get(READY_DIR_ENV):
-            return False
-        return not getattr(trainer._signal_connector, "received_sigterm", False)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         with self.every_rank("Writing a checkpoint"):

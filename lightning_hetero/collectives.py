@@ -11,6 +11,7 @@ instead (``local_mesh``, ``mesh.py``), which a busy core does not hold up as it 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -20,10 +21,11 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized, _sync_ddp
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
 from lightning_hetero.mesh import NOT_ANSWERED, LocalMesh
-from lightning_hetero.topology import gather_object_to
+from lightning_hetero.topology import READY_DIR_ENV, gather_object_to
 
 __all__ = ["ControlCollectives", "IN_STEP_METHOD", "not_in_a_step_method"]
 
@@ -115,8 +117,19 @@ class ControlCollectives:
             gathered = _all_gather_ddp_if_available(tensor.cpu(), group=group or self.control_group, sync_grads=sync_grads)
         return gathered.to(tensor.device)
 
+    def stopped_after_a_failure(self) -> bool:
+        """Whether this popen run is in its ``on_exception`` hooks after an error (not the orderly stop
+        after a SIGTERM, which every rank makes): global rank 0 stops the other ranks then, so no
+        collective can reach them all (the ranks of a torchrun or SLURM launch are not stopped)."""
+        trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or not os.environ.get(READY_DIR_ENV):
+            return False
+        return not getattr(trainer._signal_connector, "received_sigterm", False)
+
     def barrier(self, name: Optional[str] = None) -> None:
         _every_process("`trainer.strategy.barrier`")
+        if self.stopped_after_a_failure():
+            return  # the other ranks are stopped: rank 0 goes on alone (`OnExceptionCheckpoint`'s save)
         if _distributed_is_initialized():
             with self.every_rank(f"The barrier {name!r}" if name else "A barrier"):
                 dist.barrier(group=self.control_group)
