@@ -65,6 +65,9 @@ class FakeWorker:
     def recorded_samples(self, shares: Shares, report: WorkerReport) -> int:
         return report.samples
 
+    def share_range(self, shares: Shares) -> tuple[int, int]:
+        return 0, 3
+
     def refresh(self, optimizer: Any, steps: Any) -> None:
         self.calls.append("refresh")
 
