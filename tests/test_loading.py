@@ -368,7 +368,8 @@ def test_the_analyzer_plans_the_loader_from_its_own_measurements(tmp_path: Path)
     trainer(strategy, max_steps=18, callbacks=[analyzer, record, StallDuring(0, 9, tmp_path / "epochs.json")]).fit(Net(), data)
     # Before training: the loader measured by worker count, and the step predicted as it starts.
     run, times, split = recorded(tmp_path / "run.json")
-    assert times.in_process == pytest.approx(BATCH * HEAVY, rel=0.3)  # known by construction
+    # Known by construction: a core busy for that long (longer where other processes share the cores).
+    assert 0.7 * BATCH * HEAVY <= times.in_process <= 2 * BATCH * HEAVY
     assert times.workers[:3] == (0, 1, 2) and (run["workers"], run["tuned"]) == (0, 1)
     assert [w for w, _ in split.candidates] == [0] and split.source == "predicted by the profile"
     # After the warm-up: the split for the step's measured compute, as the hand calculation
