@@ -24,7 +24,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
-from lightning_hetero.mesh import NOT_ANSWERED, LocalMesh
+from lightning_hetero.mesh import LocalMesh, note_not_answered
 from lightning_hetero.topology import READY_DIR_ENV, gather_object_to
 
 __all__ = ["ControlCollectives", "IN_STEP_METHOD", "not_in_a_step_method"]
@@ -82,8 +82,8 @@ class ControlCollectives:
                     " the script's trainer calls and `trainer.save_checkpoint`, as with DDP: call them on every"
                     " rank, not under `if trainer.is_global_zero:`."
                 )
-            elif "timed out" in str(error).lower():  # gloo: "Timed out waiting 3000ms for recv operation to complete"
-                error.add_note(f"[hetero] {what} needs every rank, and not every rank came to it within the timeout: {NOT_ANSWERED}")
+            else:
+                note_not_answered(error, f"{what} needs every rank, and not every rank came to it")
             raise
 
     def gather(self, obj: Any, dst: Optional[int] = None) -> list[Any]:

@@ -213,6 +213,7 @@ class StepEngine:
         own_zero_grad = is_overridden("optimizer_zero_grad", trainer.lightning_module)
         zero_grad, state.zeroes = first and not own_zero_grad, first and own_zero_grad
         grads: GradPolicy = "accumulate" if consumes else "drop" if zero_grad else "keep"
+        mine = worker.share_range(shares)
         try:
             worker.saw_batch("training_step", shares.batch_size, 0, loader_batch_size(trainer, "training_step"))
             report, output = worker.train_step(batch, batch_idx, shares, accumulate, grads, state.clock)
@@ -223,10 +224,9 @@ class StepEngine:
             check_same_loss(type(worker.module).__name__, report)
         except BaseException as error:
             self.sync.abort()
-            self._note_moved_share(error, shares)
+            self._note_moved_share(error, shares.batch_size, mine[1] - mine[0])
             raise
-        start, stop = worker.share_range(shares)
-        self._last_share = (shares.batch_size, stop - start)
+        self._last_share = (shares.batch_size, mine[1] - mine[0])
         if buffers is not None:
             self._buffers_checked = True
             _warn_of_changed_buffers(worker.module, buffers)
@@ -234,7 +234,7 @@ class StepEngine:
             # Without a gradient here (or with the sums left to another rank), no bucket has stepped yet.
             _warn_of_changed_parameters(worker.module, params, after or None)
         extras = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
-        if extras and _gives_extras(shares, worker.placement, worker.share_range(shares)):
+        if extras and _gives_extras(shares, worker.placement, mine):
             report.extras = apply_to_collection(extras, Tensor, lambda t: t.detach().cpu())
         report.nonfinite = nonfinite_parts(report.loss, bool(finite[0]) if finite else None)
         skipped = False
@@ -257,16 +257,15 @@ class StepEngine:
             extras = next((move_data_to_device(r.extras, self._device) for r in reports if r.extras), {})
         return {"loss": loss, **extras} if extras else loss
 
-    def _note_moved_share(self, error: BaseException, shares: Shares) -> None:
+    def _note_moved_share(self, error: BaseException, batch_size: int, samples: int) -> None:
         """Where a step failed on a batch of the last one's size but another share of it for this rank
-        (the CPU's share moved), say what that breaks: state a model keeps per sample between batches."""
-        start, stop = self.worker.share_range(shares)
-        if not isinstance(error, Exception) or self._last_share is None or self._last_share[0] != shares.batch_size:
+        (``samples``: the CPU's share moved), say what that breaks: state a model keeps per sample between batches."""
+        if not isinstance(error, Exception) or self._last_share is None or self._last_share[0] != batch_size:
             return
-        if self._last_share[1] != stop - start:
+        if self._last_share[1] != samples:
             error.add_note(
                 f"[hetero] This rank's share of the batch changed at this step, from {self._last_share[1]} to"
-                f" {stop - start} of {shares.batch_size} samples (the CPU workers' share moved). If the model keeps"
+                f" {samples} of {batch_size} samples (the CPU workers' share moved). If the model keeps"
                 " state per sample from one batch to the next (a recurrent hidden state carried over), give it a"
                 " fixed `cpu_fraction` (docs/limits.md)."
             )

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["LocalMesh", "NOT_ANSWERED", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM", "sum_over"]
+__all__ = ["LocalMesh", "NOT_ANSWERED", "note_not_answered", "REPORTS", "POSTS", "OBJECTS", "SUMS", "SHARED_FROM", "sum_over"]
 
 REPORTS, POSTS, OBJECTS, SUMS = 1, 2, 3, 4
 """The kinds of frames: the steps' reports both ways, those sent one way, any other objects, and
@@ -72,6 +72,13 @@ NOT_ANSWERED = (
     " (`trainer.save_checkpoint` under `if trainer.is_global_zero:`, where every rank must call it, as with DDP)."
 )
 """What keeps a rank from answering the others within the timeout, for their errors."""
+
+
+def note_not_answered(error: BaseException, what: str) -> None:
+    """Where ``error`` is gloo's timeout ("Timed out waiting 3000ms for recv operation to complete"),
+    note ``what`` did not happen within it, and what keeps a rank from answering (``NOT_ANSWERED``)."""
+    if "timed out" in str(error).lower():
+        error.add_note(f"[hetero] {what} within the timeout: {NOT_ANSWERED}")
 
 
 class LocalMesh:

@@ -43,7 +43,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_hetero.collectives import IN_STEP_METHOD, not_in_a_step_method
-from lightning_hetero.mesh import NOT_ANSWERED, POSTS, REPORTS, LocalMesh
+from lightning_hetero.mesh import POSTS, REPORTS, LocalMesh, note_not_answered
 
 __all__ = [
     "LoggedValue",
@@ -383,9 +383,8 @@ class _Gather:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             gathered = self._gather(data, self.capacity)
-        except RuntimeError as error:  # gloo: "Timed out waiting 3000ms for recv operation to complete"
-            if "timed out" in str(error).lower():
-                error.add_note(f"[hetero] The step's reports did not travel between the ranks within the timeout: {NOT_ANSWERED}")
+        except RuntimeError as error:
+            note_not_answered(error, "The step's reports did not travel between the ranks")
             raise
         lengths = gathered[:, :_HEADER].contiguous().view(torch.int64).flatten().tolist()
         if max(lengths) > self.capacity:
